@@ -1,0 +1,11 @@
+"""embfuse: fast embedding lookups for PyTorch recommendation models.
+
+Importing embfuse needs neither a GPU nor Triton: CUDA tensors run Triton kernels when Triton
+is there, everything else runs the pure-torch references.
+"""
+
+from embfuse.ops import embedding, embedding_bag, validate_bags
+from embfuse import nn
+
+__version__ = "0.1.0"
+__all__ = ["embedding", "embedding_bag", "validate_bags", "nn", "__version__"]

@@ -1,0 +1,3 @@
+from embfuse.nn.modules import Embedding, EmbeddingBag
+
+__all__ = ["Embedding", "EmbeddingBag"]

@@ -1,0 +1,356 @@
+"""Pooled lookups: embedding_bag with sum, mean and max pooling, optionally weighted.
+
+    out[b, :] = pool over p in [offsets[b], offsets[b+1]) with ids[p] != padding_idx of
+                w[p] * weight[ids[p], :]
+
+pool = sum (w = per_sample_weights or 1), mean (sum / number of pooled ids) or max (per column;
+w = 1); an empty bag gives zeros. Inputs are brought to one canonical form first: 1-D ids and
+B+1 offsets (the last is where the last bag ends), whatever torch form the caller used.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from embfuse._triton import kernel_op, next_pow2, tl, triton, use_kernels, wrap_triton
+from embfuse.ops._segment import segment_grad, segment_grad_reference
+from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
+
+SUM, MEAN, MAX = 0, 1, 2
+MODES = {"sum": SUM, "mean": MEAN, "max": MAX}
+
+
+def _bag_of_position(indices: Tensor, offsets: Tensor) -> Tensor:
+    """Bag id of every position; B for positions after the last bag (include_last_offset)."""
+    pos = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, pos, right=True) - 1
+
+
+def _pooled(indices: Tensor, offsets: Tensor, padding_idx: int) -> Tensor:
+    """Mask of positions that take part in a bag: inside [offsets[0], offsets[-1]), not padding."""
+    keep = _bag_of_position(indices, offsets) < offsets.numel() - 1
+    if padding_idx >= 0:
+        keep &= indices != padding_idx
+    return keep
+
+
+def _bag_sizes(keep: Tensor, offsets: Tensor) -> Tensor:
+    before = torch.cat([keep.new_zeros(1, dtype=torch.int64), keep.long().cumsum(0)])
+    off = offsets.long()
+    return before[off[1:]] - before[off[:-1]]
+
+
+def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx):
+    """Pure torch on any device: (output, max_ids). max_ids[b, d] is the id whose row gave the
+    max (first one on ties, -1 for an empty bag) in max mode, else an empty tensor."""
+    B, D = offsets.numel() - 1, weight.shape[1]
+    acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    keep = _pooled(indices, offsets, padding_idx)
+    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    rows = weight[indices.long()].to(acc_dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.to(acc_dtype)[:, None]
+    out = torch.zeros(B, D, dtype=acc_dtype, device=weight.device)
+    if mode == MAX:
+        rows = torch.where(keep[:, None], rows, float("-inf"))
+        out = out.fill_(float("-inf")).scatter_reduce_(0, bag[:, None].expand(-1, D), rows, "amax")
+        n = indices.numel()
+        is_max = keep[:, None] & (rows == out[bag])
+        pos = torch.arange(n, device=weight.device)[:, None].expand(-1, D)
+        first = torch.full((B, D), n, dtype=torch.long, device=weight.device).scatter_reduce_(
+            0, bag[:, None].expand(-1, D), torch.where(is_max, pos, n), "amin"
+        )
+        empty = first == n
+        ids = torch.cat([indices.long(), indices.new_full((1,), -1).long()])
+        return torch.where(empty, 0, out).to(weight.dtype), ids[first]
+    out.index_add_(0, bag, rows * keep[:, None])
+    if mode == MEAN:
+        out /= _bag_sizes(keep, offsets).clamp(min=1)[:, None]
+    return out.to(weight.dtype), indices.new_empty(0, dtype=torch.int64)
+
+
+@triton.jit
+def _embedding_bag_fwd_kernel(
+    weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bag = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    start = tl.load(offsets + bag).to(tl.int64)
+    end = tl.load(offsets + bag + 1).to(tl.int64)
+    if MODE == 2:
+        acc = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        best = tl.full([BLOCK_D], -1, dtype=tl.int64)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    count = tl.zeros([], dtype=tl.int32)
+    for s in range(start, end, BLOCK_L):
+        pos = s + tl.arange(0, BLOCK_L)
+        lmask = pos < end
+        ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)
+        if HAS_PADDING:
+            lmask = lmask & (ids != padding_idx)
+        m2 = lmask[:, None] & cmask[None, :]
+        # a BLOCK_L x BLOCK_D tile of gathered rows: many independent loads in flight
+        rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_PSW:
+            rows = rows * tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)[:, None]
+        if MODE == 2:
+            rows = tl.where(m2, rows, float("-inf"))
+            tile_max = tl.max(rows, axis=0)
+            arg = tl.argmax(rows, axis=0)
+            tile_id = tl.sum(tl.where(tl.arange(0, BLOCK_L)[:, None] == arg[None, :], ids[:, None], 0), axis=0)
+            better = tile_max > acc  # strict: the first max wins, as in torch
+            acc = tl.where(better, tile_max, acc)
+            best = tl.where(better, tile_id, best)
+        else:
+            acc += tl.sum(rows, axis=0)
+            if MODE == 1:
+                count += tl.sum(lmask.to(tl.int32))
+    if MODE == 1:
+        acc = acc / tl.maximum(count, 1).to(tl.float32)
+    if MODE == 2:
+        acc = tl.where(best >= 0, acc, 0.0)
+        tl.store(max_ids + bag * D + cols, best, mask=cmask)
+    tl.store(out + bag * stride_o + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+def _blocks(D: int, avg_bag: float) -> tuple[int, int]:
+    """Tile shape rule: cover D in one program up to 256 columns; stack rows so that a tile
+    holds about 2048 elements (16 per thread at 4 warps), but no more rows than a bag holds."""
+    block_d = min(next_pow2(D), 256)
+    block_l = max(1, min(2048 // block_d, 64, next_pow2(max(1, int(avg_bag)))))
+    return block_l, block_d
+
+
+def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx):
+    """Triton launcher for the canonical form; same results as `embedding_bag_reference`."""
+    B, D = offsets.numel() - 1, weight.shape[1]
+    out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
+    max_ids = torch.empty(B if mode == MAX else 0, D, dtype=torch.int64, device=weight.device)
+    if mode != MAX:
+        max_ids = max_ids.view(0)
+    if B == 0 or D == 0:
+        return out, max_ids
+    block_l, block_d = _blocks(D, indices.numel() / B)
+    wrap_triton(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, block_d))](
+        weight, indices, offsets,
+        per_sample_weights if per_sample_weights is not None else weight,
+        out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
+        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0,
+        BLOCK_L=block_l, BLOCK_D=block_d,
+    )
+    return out, max_ids
+
+
+def _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx):
+    """Per-position (row id or -1, source bag row, scale or None) for the segment reduction."""
+    B = offsets.numel() - 1
+    keep = _pooled(indices, offsets, padding_idx)
+    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    ids = torch.where(keep, indices.long(), -1)
+    scale = per_sample_weights
+    if mode == MEAN:
+        scale = 1.0 / _bag_sizes(keep, offsets).clamp(min=1).to(torch.float32)[bag]
+    return ids, bag, scale
+
+
+def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
+              scale_grad_by_freq, reduce):
+    D = grad.shape[1]
+    if mode == MAX:
+        # each (bag, column) sends its gradient to one (row, column): reduce over the flat table
+        flat = torch.where(max_ids >= 0, max_ids * D + torch.arange(D, device=grad.device), -1)
+        g = reduce(flat.reshape(-1), grad.reshape(-1, 1), None, None, num_weights * D, -1, False, grad.dtype)
+        return g.view(num_weights, D)
+    if offsets.numel() == 1:
+        return torch.zeros(num_weights, D, dtype=grad.dtype, device=grad.device)
+    ids, bag, scale = _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    return reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
+
+
+def embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode,
+                                     padding_idx, scale_grad_by_freq):
+    return _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
+                     scale_grad_by_freq, segment_grad_reference)
+
+
+def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
+                           scale_grad_by_freq):
+    """Dense weight gradient through the deterministic Triton segment reduction."""
+    return _backward(grad.contiguous(), indices, offsets, per_sample_weights, max_ids, num_weights, mode,
+                     padding_idx, scale_grad_by_freq, segment_grad)
+
+
+@kernel_op("embfuse::embedding_bag", mutates_args=())
+def _embedding_bag_op(
+    weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], mode: int,
+    padding_idx: int, scale_grad_by_freq: bool, sparse: bool,
+) -> tuple[Tensor, Tensor]:
+    if use_kernels(weight) and weight.dtype != torch.float64:
+        return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+    return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+
+
+@_embedding_bag_op.register_fake
+def _(weight, indices, offsets, per_sample_weights, mode, padding_idx, scale_grad_by_freq, sparse):
+    B, D = offsets.shape[0] - 1, weight.shape[1]
+    max_ids = weight.new_empty((B, D) if mode == MAX else (0,), dtype=torch.int64)
+    return weight.new_empty(B, D), max_ids
+
+
+@kernel_op("embfuse::embedding_bag_backward", mutates_args=())
+def _embedding_bag_backward_op(
+    grad: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], max_ids: Tensor,
+    num_weights: int, mode: int, padding_idx: int, scale_grad_by_freq: bool,
+) -> Tensor:
+    if use_kernels(grad) and grad.dtype != torch.float64:
+        return embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode,
+                                      padding_idx, scale_grad_by_freq)
+    return embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights, max_ids, num_weights,
+                                            mode, padding_idx, scale_grad_by_freq)
+
+
+@_embedding_bag_backward_op.register_fake
+def _(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx, scale_grad_by_freq):
+    return grad.new_empty(num_weights, grad.shape[1])
+
+
+def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq):
+    """torch's sparse=True gradient: one COO entry per pooled position (uncoalesced), no sync."""
+    D = grad.shape[1]
+    if offsets.numel() == 1:
+        return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D), check_invariants=False)
+    ids, bag, scale = _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    keep = ids >= 0
+    values = grad[bag] * keep[:, None]
+    if scale is not None:
+        values = values * scale[:, None].to(grad.dtype)
+    ids = torch.where(keep, ids, 0)
+    if scale_grad_by_freq:
+        counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(0, ids, keep.float())
+        values = values / counts[ids].clamp(min=1)[:, None].to(grad.dtype)
+    return torch.sparse_coo_tensor(ids[None], values, (num_weights, D), check_invariants=False)
+
+
+def _setup_context(ctx, inputs, output):
+    weight, indices, offsets, psw, mode, padding_idx, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(weight, indices, offsets, psw, output[1])
+    ctx.args = (weight.shape[0], mode, padding_idx, scale_grad_by_freq, sparse)
+
+
+def _autograd_backward(ctx, grad, _grad_max_ids):
+    weight, indices, offsets, psw, max_ids = ctx.saved_tensors
+    num_weights, mode, padding_idx, scale_grad_by_freq, sparse = ctx.args
+    grad_weight = grad_psw = None
+    if ctx.needs_input_grad[0]:
+        if sparse:
+            grad_weight = _sparse_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
+                                       scale_grad_by_freq)
+        else:
+            grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, max_ids, num_weights, mode,
+                                                     padding_idx, scale_grad_by_freq)
+    if psw is not None and ctx.needs_input_grad[3]:
+        # d out[b] / d w[p] = weight[ids[p]]: one dot product per position
+        B = offsets.numel() - 1
+        keep = _pooled(indices, offsets, padding_idx)
+        bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
+        grad_psw = (dots * keep).to(psw.dtype)
+    return grad_weight, None, None, grad_psw, None, None, None, None
+
+
+_embedding_bag_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _canonical(input, offsets, per_sample_weights, include_last_offset):
+    """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None)."""
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets has to be None if input is 2-D (fixed hotness: each row is a bag)")
+        B, L = input.shape
+        offsets = torch.arange(0, B * L + 1, max(L, 1), device=input.device, dtype=input.dtype)
+        if L == 0:
+            offsets = torch.zeros(B + 1, device=input.device, dtype=input.dtype)
+        indices = input.reshape(-1)
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets has to be a 1-D tensor when input is 1-D (it says where each bag starts)")
+        check_index_dtype("offsets", offsets)
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets has to be a 1-D tensor, got shape {tuple(offsets.shape)}")
+        indices = input
+        if offsets.numel() == 0:
+            offsets = offsets.new_zeros(1)
+        elif not include_last_offset:
+            offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
+    else:
+        raise ValueError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.reshape(-1).contiguous()
+    return indices.contiguous(), offsets.contiguous(), per_sample_weights
+
+
+def embedding_bag(
+    input: Tensor,
+    weight: Tensor,
+    offsets: Optional[Tensor] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Optional[Tensor] = None,
+    include_last_offset: bool = False,
+    padding_idx: Optional[int] = None,
+    *,
+    bounds_check: str = "raise",
+    name: str = "input",
+) -> Tensor:
+    """Drop-in for `torch.nn.functional.embedding_bag`.
+
+    bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" drops
+    out-of-range ids from their bags with a warning (FBGEMM's WARNING mode); "off" checks
+    nothing and needs no device-to-host read (for CUDA graphs; ids must then be valid).
+    `name` is how errors call the input (a feature name, say).
+    """
+    check_weight(weight)
+    check_index_dtype(name, input)
+    check_bounds_mode(bounds_check)
+    if mode not in MODES:
+        raise ValueError(f"mode has to be one of 'sum', 'mean' or 'max', got {mode!r}")
+    if input.device != weight.device:
+        raise ValueError(f"{name} is on {input.device} but weight is on {weight.device}")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise ValueError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
+        if not per_sample_weights.is_floating_point():
+            raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+        if per_sample_weights.shape != input.shape:
+            raise ValueError(
+                f"per_sample_weights must have the shape of {name}: expected {tuple(input.shape)}, "
+                f"got {tuple(per_sample_weights.shape)}"
+            )
+    if scale_grad_by_freq and mode == "max":
+        raise ValueError("max mode does not support scaling the gradient by the frequency")
+    if sparse and mode == "max":
+        raise ValueError("sparse gradients are not supported in max mode")
+    num_embeddings = weight.shape[0]
+    padding_idx = padding_index(padding_idx, num_embeddings)
+    shape = input.shape
+    indices, offsets, per_sample_weights = _canonical(input, offsets, per_sample_weights, include_last_offset)
+    indices, offsets, per_sample_weights = validate_bags(
+        indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check
+    )
+    if max_norm is not None:
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, indices, max_norm, norm_type)
+    out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx,
+                               scale_grad_by_freq, sparse)
+    return out

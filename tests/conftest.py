@@ -1,0 +1,36 @@
+"""One suite for both machines: without CUDA the Triton kernels run under TRITON_INTERPRET=1
+on CPU tensors (small shapes); with CUDA they run on the GPU. Tests marked `gpu` need CUDA."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before embfuse defines its kernels
+
+import embfuse._triton as _t  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# where the kernels run: the GPU, or the interpreter on the CPU
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_kernels = pytest.mark.skipif(not (_t.HAS_TRITON and (torch.cuda.is_available() or _t.interpreting())),
+                                      reason="needs Triton (GPU or interpreter)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; runs in the GPU session")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

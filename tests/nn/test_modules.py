@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+import embfuse
+from tests.conftest import DEVICES
+from tests.tolerances import assert_close
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_bag_state_dict_round_trips_with_torch(device):
+    ours = embfuse.nn.EmbeddingBag(20, 6, mode="sum", padding_idx=0, device=device)
+    theirs = torch.nn.EmbeddingBag(20, 6, mode="sum", padding_idx=0, device=device)
+    theirs.load_state_dict(ours.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = torch.randint(0, 20, (5, 3), device=device)
+    assert_close(ours(x), theirs(x), torch.float32, reduction=3)
+    ours.load_state_dict(torch.nn.EmbeddingBag(20, 6, device=device).state_dict())
+    assert isinstance(ours, torch.nn.EmbeddingBag)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_from_pretrained_and_training_step_match_torch(device):
+    pretrained = torch.randn(15, 4, device=device)
+    ours = embfuse.nn.Embedding.from_pretrained(pretrained.clone(), freeze=False, sparse=True)
+    theirs = torch.nn.Embedding.from_pretrained(pretrained.clone(), freeze=False, sparse=True)
+    assert type(ours) is embfuse.nn.Embedding
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randint(0, 15, (8, 2), device=device)
+        for m, opt in [(ours, opt_o), (theirs, opt_t)]:
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+    assert_close(ours.weight, theirs.weight, torch.float32, reduction=16)
+
+
+def test_modules_pass_bounds_check_through():
+    bag = embfuse.nn.EmbeddingBag(5, 2, mode="sum", bounds_check="skip")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        out = bag(torch.tensor([[1, 7]]))
+    assert_close(out, bag.weight[1:2], torch.float32)
+    with pytest.raises(IndexError, match="out of range for a table of 5 rows"):
+        embfuse.nn.Embedding(5, 2)(torch.tensor([5]))

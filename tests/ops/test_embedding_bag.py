@@ -1,0 +1,237 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import embfuse
+from embfuse.ops.embedding_bag import (
+    MAX, MEAN, SUM, embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward,
+    embedding_bag_reference,
+)
+from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
+from tests.tolerances import assert_close, random_bags
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MAX_LEN = 6
+
+
+def _case(D, dtype, index_dtype, weighted, device=KERNEL_DEVICE, num_bags=7, N=40):
+    weight = torch.randn(N, D).to(device, dtype)
+    ids, offsets = random_bags(num_bags, MAX_LEN, N, device, index_dtype)
+    psw = torch.rand(ids.numel(), device=device) + 0.5 if weighted else None
+    return weight, ids, offsets, psw
+
+
+@requires_kernels
+@pytest.mark.parametrize("D", [1, 3, 64, 129])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (MAX, False)])
+@pytest.mark.parametrize("padding_idx", [-1, 5])
+def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted, padding_idx):
+    weight, ids, offsets, psw = _case(D, dtype, index_dtype, weighted)
+    ids[::3] = 5  # padding and duplicates in most bags
+    out = torch.full((offsets.numel() - 1, D), float("nan"), dtype=dtype)  # poison: every element is written
+    out, max_ids = embedding_bag_forward(weight, ids, offsets, psw, mode, padding_idx)
+    psw64 = psw.double() if psw is not None else None
+    ref, ref_ids = embedding_bag_reference(weight.double(), ids, offsets, psw64, mode, padding_idx)
+    assert not out.isnan().any()
+    assert_close(out, ref, dtype, reduction=MAX_LEN)
+    if mode == MAX:
+        # where values tie (low precision) ids may differ; the chosen row must hold the max
+        picked = torch.where(max_ids >= 0, weight.double()[max_ids.clamp(min=0), torch.arange(D, device=weight.device)], 0)
+        assert_close(picked, ref, dtype)
+        assert ((max_ids < 0) == (ref_ids < 0)).all()
+        if dtype == torch.float32:
+            assert torch.equal(max_ids, ref_ids)
+
+
+@requires_kernels
+@pytest.mark.parametrize("D", [1, 3, 64, 129])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,weighted,freq", [(SUM, False, False), (SUM, True, False), (SUM, False, True),
+                                                (MEAN, False, False), (MEAN, False, True), (MAX, False, False)])
+@pytest.mark.parametrize("padding_idx", [-1, 5])
+def test_backward_kernel_matches_float64_reference(D, dtype, mode, weighted, freq, padding_idx):
+    N = 40
+    weight, ids, offsets, psw = _case(D, dtype, torch.int64, weighted, N=N)
+    ids[::2] = 5  # a hot row
+    _, max_ids = embedding_bag_forward(weight, ids, offsets, psw, mode, padding_idx)
+    grad = torch.randn(offsets.numel() - 1, D, device=weight.device).to(dtype)
+    got = embedding_bag_backward(grad, ids, offsets, psw, max_ids, N, mode, padding_idx, freq)
+    psw64 = psw.double() if psw is not None else None
+    ref = embedding_bag_backward_reference(grad.double(), ids, offsets, psw64, max_ids, N, mode, padding_idx, freq)
+    assert got.dtype == dtype
+    assert_close(got, ref, dtype, reduction=ids.numel())
+
+
+@requires_kernels
+def test_backward_is_bitwise_deterministic():
+    N, D = 16, 64
+    weight, ids, offsets, _ = _case(D, torch.float32, torch.int64, False, num_bags=64, N=N)
+    grad = torch.randn(offsets.numel() - 1, D, device=weight.device)
+    runs = [embedding_bag_backward(grad, ids, offsets, None, None, N, SUM, -1, False) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def _torch_and_ours(device, dtype=torch.float32, **kw):
+    N, D = 30, 9
+    base = torch.randn(N, D, dtype=torch.float64).to(dtype)
+    w_t = base.clone().to(device).requires_grad_()
+    w_e = base.clone().to(device).requires_grad_()
+    return w_t, w_e
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("form", ["offsets", "last_offset", "2d"])
+@pytest.mark.parametrize("padding_idx", [None, 2, -1])
+def test_functional_matches_torch(device, mode, form, padding_idx):
+    w_t, w_e = _torch_and_ours(device)
+    N = w_t.shape[0]
+    if form == "2d":
+        x, offsets, last = torch.randint(0, N, (6, 4), device=device), None, False
+    else:
+        x, offsets = random_bags(6, 5, N, device)
+        last = form == "last_offset"
+        offsets = offsets if last else offsets[:-1]
+    x.view(-1)[::3] = padding_idx % N if padding_idx is not None else 0
+    kw = dict(mode=mode, padding_idx=padding_idx, include_last_offset=last)
+    ref = F.embedding_bag(x, w_t, offsets, **kw)
+    out = embfuse.embedding_bag(x, w_e, offsets, **kw)
+    assert_close(out, ref, torch.float32, reduction=5)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert_close(w_e.grad, w_t.grad, torch.float32, reduction=x.numel())
+
+
+def _pool_via_embedding(x, w, offsets, mode, freq):
+    """torch oracle for scale_grad_by_freq: F.embedding's (correct) scaling, then pooling.
+    F.embedding_bag itself scales every row by the count of the wrong id on the CPU (torch 2.13)."""
+    rows = F.embedding(x, w, scale_grad_by_freq=freq)
+    bag = torch.searchsorted(offsets, torch.arange(x.numel(), device=x.device), right=True) - 1
+    out = torch.zeros(offsets.numel() - 1, w.shape[1], device=w.device).index_add(0, bag, rows)
+    return out / offsets.diff().clamp(min=1)[:, None] if mode == "mean" else out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("sparse,freq", [(True, False), (False, True), (True, True)])
+def test_sparse_and_freq_gradients_match_torch(device, mode, sparse, freq):
+    w_t, w_e = _torch_and_ours(device)
+    x, offsets = random_bags(8, 6, w_t.shape[0], device)
+    x[::2] = 3
+    if freq:
+        ref = _pool_via_embedding(x, w_t, offsets, mode, freq)
+    else:
+        ref = F.embedding_bag(x, w_t, offsets[:-1], mode=mode, sparse=sparse)
+    out = embfuse.embedding_bag(x, w_e, offsets[:-1], mode=mode, sparse=sparse, scale_grad_by_freq=freq)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert w_e.grad.is_sparse == sparse
+    assert_close(w_e.grad.to_dense(), w_t.grad.to_dense(), torch.float32, reduction=x.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_sample_weights_gradient_matches_torch(device):
+    w_t, w_e = _torch_and_ours(device)
+    x, offsets = random_bags(8, 6, w_t.shape[0], device)
+    p_t = (torch.rand(x.numel(), device=device) + 0.5).requires_grad_()
+    p_e = p_t.detach().clone().requires_grad_()
+    ref = F.embedding_bag(x, w_t, offsets[:-1], mode="sum", per_sample_weights=p_t, padding_idx=1)
+    out = embfuse.embedding_bag(x, w_e, offsets[:-1], mode="sum", per_sample_weights=p_e, padding_idx=1)
+    assert_close(out, ref, torch.float32, reduction=6)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert_close(w_e.grad, w_t.grad, torch.float32, reduction=x.numel())
+    assert_close(p_e.grad, p_t.grad, torch.float32, reduction=w_t.shape[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_norm_renormalises_rows_like_torch(device):
+    w_t, w_e = _torch_and_ours(device)
+    x, offsets = random_bags(5, 4, w_t.shape[0], device)
+    with torch.no_grad():
+        w_t.mul_(3)
+        w_e.mul_(3)
+    ref = F.embedding_bag(x, w_t, offsets[:-1], mode="sum", max_norm=1.0)
+    out = embfuse.embedding_bag(x, w_e, offsets[:-1], mode="sum", max_norm=1.0)
+    assert_close(out, ref, torch.float32, reduction=4)
+    assert_close(w_e.detach(), w_t.detach(), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_empty_shapes(device, mode):
+    w = torch.randn(10, 4, device=device, requires_grad=True)
+    ids = torch.tensor([], dtype=torch.long, device=device)
+    out = embfuse.embedding_bag(ids, w, torch.tensor([], dtype=torch.long, device=device), mode=mode)
+    assert out.shape == (0, 4)
+    out = embfuse.embedding_bag(ids, w, torch.tensor([0, 0, 0], device=device), mode=mode)
+    assert torch.equal(out, torch.zeros(3, 4, device=device))
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    assert embfuse.embedding_bag(torch.zeros(0, 3, dtype=torch.long, device=device), w, mode=mode).shape == (0, 4)
+    assert torch.equal(embfuse.embedding_bag(torch.zeros(2, 0, dtype=torch.long, device=device), w, mode=mode),
+                       torch.zeros(2, 4, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [SUM, MEAN, MAX])
+def test_opcheck(device, mode):
+    w = torch.randn(20, 8, device=device, requires_grad=True)
+    ids, offsets = random_bags(5, 4, 20, device)
+    psw = torch.rand(ids.numel(), device=device, requires_grad=True) if mode == SUM else None
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag.default, (w, ids, offsets, psw, mode, 2, False, False))
+    g = torch.randn(5, 8, device=device)
+    max_ids = embedding_bag_reference(w, ids, offsets, psw, mode, 2)[1]
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag_backward.default,
+                          (g, ids, offsets, psw.detach() if psw is not None else None, max_ids.detach(), 20, mode, 2,
+                           False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_compile_fullgraph(device, mode):
+    torch._dynamo.reset()
+    w = torch.randn(30, 16, device=device, requires_grad=True)
+    x = torch.randint(0, 30, (8, 5), device=device)
+
+    def f(x, w):
+        return embfuse.embedding_bag(x, w, mode=mode).tanh().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(x, w)
+    (g,) = torch.autograd.grad(loss, w)
+    w2 = w.detach().clone().requires_grad_()
+    ref = F.embedding_bag(x, w2, mode=mode).tanh().sum()
+    ref.backward()
+    assert_close(loss, ref, torch.float32, reduction=40)
+    assert_close(g, w2.grad, torch.float32, reduction=40)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    w = torch.randn(1000, 64, device="cuda")
+    x = torch.randint(0, 1000, (256, 20), device="cuda")
+    embfuse.embedding_bag(x, w, mode="sum")  # warm up: compile the kernel outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = embfuse.embedding_bag(x, w, mode="sum")
+    x.copy_(torch.randint(0, 1000, (256, 20), device="cuda"))
+    graph.replay()
+    assert_close(out, F.embedding_bag(x, w, mode="sum"), torch.float32, reduction=20)
+
+
+@pytest.mark.gpu
+def test_large_table_int64_addressing():
+    # 2^31 + rows of 2 bf16 elements: ids past 2^30 address beyond int32 element offsets
+    N, D = (1 << 30) + 16, 2
+    w = torch.empty(N, D, dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([N - 1, N - 2, 3], device="cuda")
+    w[ids] = torch.randn(3, D, device="cuda").to(torch.bfloat16)
+    out = embfuse.embedding_bag(ids, w, torch.tensor([0, 2], device="cuda"), mode="sum")
+    ref = torch.stack([w[N - 1].float() + w[N - 2].float(), w[3].float()])
+    assert_close(out, ref, torch.bfloat16, reduction=2)

@@ -1,0 +1,112 @@
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import embfuse
+from embfuse.ops._validate import BAD_ID, BAD_OFFSETS, bag_flags
+from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
+
+N = 10
+
+
+def _weight(device):
+    return torch.randn(N, 4, device=device, requires_grad=True)
+
+
+BAD_BAG_INPUTS = [
+    # (ids, offsets, kwargs, exception, message fragment)
+    ([1, 2, 10], [0, 1], {}, IndexError, "input[2] = 10 is out of range for a table of 10 rows"),
+    ([1, -1, 3], [0, 1], {}, IndexError, "input[1] = -1 is out of range"),
+    ([1, 2, 3], [1, 2], {}, ValueError, "offsets[0] must be 0, got 1"),
+    ([1, 2, 3], [0, 2, 1], {}, ValueError, "offsets[1] = 2 > offsets[2] = 1"),
+    ([1, 2, 3], [0, 2, 4], {"include_last_offset": True}, ValueError, "offsets[-1] = 4 runs past the end"),
+    ([1, 2, 3], [0, 5], {}, ValueError, "offsets must be non-decreasing"),
+    ([1, 2, 3], [0, 1], {"mode": "mean", "per_sample_weights": [1.0, 2.0, 3.0]}, ValueError,
+     "only supported for mode='sum'"),
+    ([1, 2, 3], [0, 1], {"mode": "sum", "per_sample_weights": [1.0, 2.0]}, ValueError,
+     "per_sample_weights must have the shape of input"),
+    ([1, 2, 3], [0, 1], {"mode": "sum", "per_sample_weights": [1, 2, 3]}, TypeError, "must be floating point"),
+    ([1, 2, 3], None, {}, ValueError, "offsets has to be a 1-D tensor when input is 1-D"),
+    ([1, 2, 3], [0, 1], {"mode": "median"}, ValueError, "mode has to be one of"),
+    ([1, 2, 3], [0, 1], {"mode": "max", "scale_grad_by_freq": True}, ValueError, "frequency"),
+    ([1, 2, 3], [0, 1], {"padding_idx": 10}, ValueError, "padding_idx must be within"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ids,offsets,kwargs,exc,msg", BAD_BAG_INPUTS)
+def test_bad_bag_input_raises_and_loses_nothing(device, ids, offsets, kwargs, exc, msg):
+    w = _weight(device)
+    before = w.detach().clone()
+    kwargs = dict(kwargs)
+    if "per_sample_weights" in kwargs:
+        kwargs["per_sample_weights"] = torch.tensor(kwargs["per_sample_weights"], device=device)
+    off = torch.tensor(offsets, device=device) if offsets is not None else None
+    with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        embfuse.embedding_bag(torch.tensor(ids, device=device), w, off, max_norm=0.5, **kwargs)
+    assert torch.equal(w.detach(), before)  # max_norm would have written: the check came first
+    ok = embfuse.embedding_bag(torch.tensor([1, 2], device=device), w, torch.tensor([0], device=device))
+    assert torch.isfinite(ok).all()  # the device is still usable
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_dtypes_and_shapes(device):
+    w = _weight(device)
+    with pytest.raises(TypeError, match="input must be int32 or int64, got torch.float32"):
+        embfuse.embedding_bag(torch.tensor([1.0], device=device), w, torch.tensor([0], device=device))
+    with pytest.raises(TypeError, match="offsets must be int32 or int64"):
+        embfuse.embedding_bag(torch.tensor([1], device=device), w, torch.tensor([0.0], device=device))
+    with pytest.raises(TypeError, match="weight must be float32"):
+        embfuse.embedding_bag(torch.tensor([1], device=device), w.detach().long(), torch.tensor([0], device=device))
+    with pytest.raises(ValueError, match="offsets has to be None if input is 2-D"):
+        embfuse.embedding_bag(torch.ones(2, 2, dtype=torch.long, device=device), w, torch.tensor([0], device=device))
+    with pytest.raises(TypeError, match="must be int32 or int64"):
+        embfuse.embedding(torch.tensor([0.5], device=device), w)
+    with pytest.raises(IndexError, match=r"features\[1, 0\] = 12 is out of range"):
+        embfuse.embedding_bag(torch.tensor([[1, 2], [12, 0]], device=device), w, name="features")
+    with pytest.raises(IndexError, match=r"input\[0, 1\] = 10 is out of range"):
+        embfuse.embedding(torch.tensor([[1, 10]], device=device), w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skip_mode_drops_bad_ids_with_a_warning(device):
+    w = _weight(device)
+    ids = torch.tensor([1, 12, 3, -4, 5, 6], device=device)
+    offsets = torch.tensor([0, 2, 4], device=device)
+    with pytest.warns(UserWarning, match=r"skipped 2 out-of-range id\(s\); first: input\[1\] = 12"):
+        out = embfuse.embedding_bag(ids, w, offsets, mode="mean", bounds_check="skip")
+    ref = F.embedding_bag(torch.tensor([1, 3, 5, 6], device=device), w, torch.tensor([0, 1, 2], device=device),
+                          mode="mean")
+    torch.testing.assert_close(out, ref)
+    with pytest.warns(UserWarning):
+        rows = embfuse.embedding(torch.tensor([2, 99], device=device), w, bounds_check="skip")
+    torch.testing.assert_close(rows, torch.stack([w[2], torch.zeros_like(w[2])]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # valid input: no warning
+        embfuse.embedding_bag(ids.clamp(0, N - 1), w, offsets, bounds_check="skip")
+
+
+def test_bad_bounds_check_mode():
+    with pytest.raises(ValueError, match="bounds_check must be one of"):
+        embfuse.embedding_bag(torch.tensor([1]), _weight("cpu"), torch.tensor([0]), bounds_check="maybe")
+
+
+@requires_kernels
+@settings(max_examples=40, deadline=None)
+@given(
+    ids=st.lists(st.integers(-3, N + 3), max_size=40),
+    cuts=st.lists(st.integers(-2, 45), min_size=1, max_size=8),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
+    """The fused validation kernel and the torch-op check raise the same flags on any input."""
+    ids_t = torch.tensor(ids, dtype=index_dtype, device=KERNEL_DEVICE)
+    off_t = torch.tensor(cuts, dtype=index_dtype, device=KERNEL_DEVICE)
+    expected = bag_flags(ids_t, off_t, N, kernel=False)
+    assert bag_flags(ids_t, off_t, N, kernel=True) == expected
+    bad_ids = any(not 0 <= i < N for i in ids)
+    bad_off = cuts[0] != 0 or cuts[-1] > len(ids) or any(b < a for a, b in zip(cuts, cuts[1:]))
+    assert expected == BAD_ID * bad_ids + BAD_OFFSETS * bad_off
