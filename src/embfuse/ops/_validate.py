@@ -72,7 +72,7 @@ def _check_bags_kernel(indices, n, offsets, n_offsets, num_embeddings, flags, BL
     nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
     # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
     bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-    flag = tl.max(bad_id.to(tl.int32)) * BAD_ID + tl.max(bad_off.to(tl.int32)) * BAD_OFFSETS
+    flag = tl.max(bad_id.to(tl.int32)) * 1 + tl.max(bad_off.to(tl.int32)) * 2  # BAD_ID | BAD_OFFSETS
     tl.atomic_or(flags, flag, mask=flag != 0)
 
 
