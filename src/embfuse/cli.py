@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+_PROVIDERS = ("torch", "torch.compile", "embfuse", "embfuse+check", "fbgemm")
 
 
 def _device(name: str) -> str:
@@ -40,6 +43,37 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """Measure the workloads with every provider on this GPU; write JSON, a table and a plot."""
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from embfuse.bench.providers import PROVIDERS
+    from embfuse.bench.report import markdown, plot, table
+    from embfuse.bench.runner import run
+    from embfuse.bench.workloads import workloads
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("embfuse bench measures GPU kernels and needs a CUDA device; none was found.")
+        return 2
+    selected = [w for w in workloads(quick=args.quick) if not args.group or w.group in args.group]
+    out = Path(args.out)
+    with Progress(console=console) as progress:
+        task = progress.add_task("benchmarking", total=len(selected))
+
+        def advance(w):
+            progress.update(task, advance=1, description=w.name)
+
+        result = run(selected, args.providers, out, progress=advance)
+    console.print(table(result))
+    (out / "bench.md").write_text(markdown(result) + "\n")
+    plot(result, out / "bench.png")
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="embfuse", description="Fast embedding lookups for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hotness", type=int, default=8, help="ids per bag")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.set_defaults(func=demo)
+    p = sub.add_parser("bench", help="measure lookups against torch, torch.compile and FBGEMM on this GPU")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (under two minutes on an H100)")
+    p.add_argument("--out", default="embfuse-out/bench", help="folder for bench.json, bench.md and bench.png")
+    p.add_argument("--providers", nargs="+", default=list(_PROVIDERS), choices=_PROVIDERS,
+                   help="implementations to measure")
+    p.add_argument("--group", nargs="+", help="only these workload groups (grid, csr, half, modes, embedding, "
+                   "dlrm, latency)")
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,1 @@
+"""`embfuse bench`: workloads, providers, the roofline, and reporting."""

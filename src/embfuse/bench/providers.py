@@ -1,0 +1,95 @@
+"""The implementations measured side by side: each turns (workload, tables, batch) into a
+zero-argument forward call, or raises `Unsupported`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import embfuse
+from embfuse.bench.workloads import Workload
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _lookup(lookup, w: Workload, tables, ids, offsets):
+    if w.kind == "embedding":
+        return lambda: [lookup(ids, t) for t in tables]
+    return lambda: [lookup(ids, t, offsets, mode=w.mode) for t in tables]
+
+
+def torch_native(w, tables, ids, offsets):
+    return _lookup(F.embedding if w.kind == "embedding" else F.embedding_bag, w, tables, ids, offsets)
+
+
+@functools.cache
+def _compiled(kind):
+    fn = F.embedding if kind == "embedding" else F.embedding_bag
+    return torch.compile(fn, dynamic=True)
+
+
+def torch_compiled(w, tables, ids, offsets):
+    return _lookup(_compiled(w.kind), w, tables, ids, offsets)
+
+
+def embfuse_unchecked(w, tables, ids, offsets):
+    fn = embfuse.embedding if w.kind == "embedding" else embfuse.embedding_bag
+    return _lookup(functools.partial(fn, bounds_check="off"), w, tables, ids, offsets)
+
+
+def embfuse_checked(w, tables, ids, offsets):
+    return _lookup(embfuse.embedding if w.kind == "embedding" else embfuse.embedding_bag, w, tables, ids, offsets)
+
+
+def fbgemm_tbe(w, tables, ids, offsets):
+    """FBGEMM_GPU's table-batched embedding, bounds checks off, all tables in one call."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode, EmbeddingLocation, PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except ImportError as e:
+        raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
+    if w.kind == "embedding" or w.mode == "max":
+        raise Unsupported("TBE measured for sum/mean pooling only")
+    precision = {"float32": SparseType.FP32, "float16": SparseType.FP16, "bfloat16": SparseType.BF16}[w.dtype]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(t.shape[0], t.shape[1], EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for t in tables],
+        weights_precision=precision, output_dtype=precision,
+        pooling_mode=PoolingMode.SUM if w.mode == "sum" else PoolingMode.MEAN,
+        bounds_check_mode=BoundsCheckMode.NONE,
+    )
+    with torch.no_grad():
+        for dst, src in zip(tbe.split_embedding_weights(), tables):
+            dst.copy_(src)
+    if offsets is None:
+        B, L = ids.shape
+        flat, offs = ids.reshape(-1), torch.arange(0, B * L + 1, L, device=ids.device)
+    else:
+        flat, offs = ids, offsets
+    T, n = len(tables), flat.numel()
+    all_ids = flat.repeat(T)
+    all_offs = torch.cat([offs[:-1] + t * n for t in range(T)] + [offs[-1:] + (T - 1) * n])
+    D = tables[0].shape[1]
+
+    def call():
+        out = tbe(all_ids, all_offs)  # (B, T * D), feature-major within a row
+        return [out[:, t * D:(t + 1) * D] for t in range(T)]
+
+    return call
+
+
+PROVIDERS = {
+    "torch": torch_native,
+    "torch.compile": torch_compiled,
+    "embfuse": embfuse_unchecked,
+    "embfuse+check": embfuse_checked,
+    "fbgemm": fbgemm_tbe,
+}

@@ -1,0 +1,173 @@
+"""Measure every workload with every provider in one run, against the roofline of the card.
+
+roofline time = (distinct rows x D x weight bytes + output bytes + index bytes) / copy bandwidth,
+with the copy bandwidth measured in the same run (device-to-device copy, bytes read + written).
+Rows rate (cuEmbed's metric) = B x L x D x weight bytes / time; it can pass the bandwidth when
+hot rows hit in cache. Times are medians of CUDA-event timings of one call, L2 flushed between
+calls (triton.testing.do_bench); host overhead shows where the GPU waits for the host.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import embfuse
+from embfuse.bench.providers import PROVIDERS, Unsupported
+from embfuse.bench.workloads import WORKLOADS_VERSION, Workload, generate_batch
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 31) -> float:
+    """Bytes per second of a large device-to-device copy (read + written)."""
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def count_bytes(w: Workload, ids: torch.Tensor, offsets) -> dict:
+    elt = torch.empty(0, dtype=w.torch_dtype).element_size()
+    distinct = int(torch.unique(ids).numel())
+    looked_up = ids.numel()
+    out_rows = ids.numel() if w.kind == "embedding" else w.batch
+    index_bytes = ids.numel() * ids.element_size() + (offsets.numel() * offsets.element_size() if offsets is not None else 0)
+    return {
+        "distinct_rows": distinct,
+        "ids": looked_up,
+        "min_bytes": w.tables * (distinct * w.dim * elt + out_rows * w.dim * elt) + index_bytes,
+        "rows_bytes": w.tables * looked_up * w.dim * elt,
+    }
+
+
+def _close(a, b, dtype) -> bool:
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    return all(torch.allclose(x.float(), y.float(), rtol=tol, atol=tol * 8) for x, y in zip(a, b))
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    """Wall-clock per call over back-to-back calls: host-bound when the GPU work is short."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _graph_us(fn) -> float | None:
+    """Median time of replaying `fn` captured in a CUDA graph, or None if it cannot be captured."""
+    from triton.testing import do_bench
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception:  # noqa: BLE001 - a provider that cannot be captured is reported as such
+        return None
+    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def measure(w: Workload, providers: list[str], device) -> list[dict]:
+    from triton.testing import do_bench
+
+    tables = [torch.randn(w.rows, w.dim, device=device).to(w.torch_dtype) for _ in range(w.tables)]
+    ids, offsets = generate_batch(w, device)
+    counts = count_bytes(w, ids, offsets)
+    rows, reference = [], None
+    for name in providers:
+        row = {"workload": w.name, "provider": name, **counts}
+        try:
+            with torch.no_grad():
+                fn = PROVIDERS[name](w, tables, ids, offsets)
+                out = fn()
+                if reference is None:
+                    reference = out
+                row["matches_first"] = _close(out, reference, w.torch_dtype)
+                row["us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                if w.group == "latency":
+                    row["host_us_per_call"] = _host_us(fn)
+                    if name in ("torch", "embfuse"):
+                        row["graph_us"] = _graph_us(fn)
+        except Unsupported as e:
+            row["skipped"] = str(e)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+    del tables, ids, offsets, reference
+    torch.cuda.empty_cache()
+    return rows
+
+
+def metadata(device, bandwidth: float) -> dict:
+    import triton
+
+    try:
+        import fbgemm_gpu
+
+        fbgemm = getattr(fbgemm_gpu, "__version__", "unknown")
+    except ImportError:
+        fbgemm = None
+    commit = os.environ.get("EMBFUSE_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "gpu": torch.cuda.get_device_name(device), "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "embfuse": embfuse.__version__,
+        "fbgemm_gpu": fbgemm, "commit": commit, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_bandwidth_GBps": bandwidth / 1e9, "workloads_version": WORKLOADS_VERSION,
+    }
+
+
+def derive(rows: list[dict], bandwidth: float) -> None:
+    """Add roofline, rates and speedups to measured rows (in place)."""
+    by_workload: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_workload.setdefault(r["workload"], {})[r["provider"]] = r
+        if "us" not in r:
+            continue
+        r["roofline_us"] = r["min_bytes"] / bandwidth * 1e6
+        r["pct_roofline"] = 100 * r["roofline_us"] / r["us"]
+        r["GBps"] = r["min_bytes"] / (r["us"] * 1e-6) / 1e9
+        r["rows_rate_GBps"] = r["rows_bytes"] / (r["us"] * 1e-6) / 1e9
+    for group in by_workload.values():
+        for r in group.values():
+            for peer in ("torch", "fbgemm"):
+                p = group.get(peer)
+                if "us" in r and p is not None and "us" in p:
+                    r[f"speedup_vs_{peer}"] = p["us"] / r["us"]
+
+
+def run(workloads: list[Workload], providers: list[str], out_dir: Path, progress=None) -> dict:
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for w in workloads:
+        if progress is not None:
+            progress(w)
+        rows += measure(w, providers, device)
+    derive(rows, bandwidth)
+    result = {"meta": metadata(device, bandwidth), "workloads": [w.as_dict() for w in workloads], "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,42 @@
+import dataclasses
+
+import pytest
+import torch
+
+from embfuse.bench.report import markdown
+from embfuse.bench.runner import count_bytes, derive
+from embfuse.bench.workloads import Workload, generate_batch, workloads
+
+
+def test_workload_names_are_unique():
+    for quick in (False, True):
+        names = [w.name for w in workloads(quick)]
+        assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("dist,alpha", [("uniform", 0.0), ("powerlaw", 1.05), ("hotset", 0.9)])
+def test_generators_stay_in_range_and_skew_as_asked(dist, alpha):
+    w = Workload("t", "bag", 100_000, 4, 512, 16, dist, alpha)
+    ids, offsets = generate_batch(w, "cpu")
+    assert ids.shape == (512, 16) and offsets is None
+    assert 0 <= int(ids.min()) and int(ids.max()) < w.rows
+    distinct = ids.unique().numel() / ids.numel()
+    assert distinct > 0.9 if dist == "uniform" else distinct < 0.6
+
+
+def test_csr_batch_and_byte_count():
+    w = Workload("t", "bag", 1000, 8, 64, 4, layout="csr")
+    ids, offsets = generate_batch(w, "cpu")
+    assert offsets.shape == (65,) and int(offsets[-1]) == ids.numel()
+    c = count_bytes(w, ids, offsets)
+    assert c["min_bytes"] == c["distinct_rows"] * 8 * 4 + 64 * 8 * 4 + ids.numel() * 8 + 65 * 8
+
+
+def test_derive_and_markdown():
+    w = Workload("t", "bag", 1000, 8, 64, 4)
+    rows = [{"workload": "t", "provider": p, "min_bytes": 1e6, "rows_bytes": 2e6, "us": us}
+            for p, us in (("torch", 20.0), ("embfuse", 10.0))]
+    derive(rows, bandwidth=1e12)
+    assert rows[1]["speedup_vs_torch"] == 2.0 and rows[1]["pct_roofline"] == pytest.approx(10.0)
+    md = markdown({"rows": rows, "workloads": [dataclasses.asdict(w)]})
+    assert "| t | 20.0 | 10.0 | 10% |" in md
