@@ -54,7 +54,7 @@ def bench(args: argparse.Namespace) -> int:
     from embfuse.bench.runner import run
     from embfuse.bench.workloads import workloads
 
-    console = Console()
+    console = Console(width=max(Console().width, 160))
     if not torch.cuda.is_available():
         console.print("embfuse bench measures GPU kernels and needs a CUDA device; none was found.")
         return 2

@@ -19,7 +19,9 @@ class Unsupported(Exception):
 def _lookup(lookup, w: Workload, tables, ids, offsets):
     if w.kind == "embedding":
         return lambda: [lookup(ids, t) for t in tables]
-    return lambda: [lookup(ids, t, offsets, mode=w.mode) for t in tables]
+    # CSR batches carry B+1 offsets (the last is the end): torch's include_last_offset form
+    last = offsets is not None
+    return lambda: [lookup(ids, t, offsets, mode=w.mode, include_last_offset=last) for t in tables]
 
 
 def torch_native(w, tables, ids, offsets):
@@ -63,6 +65,7 @@ def fbgemm_tbe(w, tables, ids, offsets):
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(t.shape[0], t.shape[1], EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for t in tables],
         weights_precision=precision, output_dtype=precision,
+        cache_precision=SparseType.FP16 if precision == SparseType.FP16 else SparseType.FP32,
         pooling_mode=PoolingMode.SUM if w.mode == "sum" else PoolingMode.MEAN,
         bounds_check_mode=BoundsCheckMode.NONE,
     )

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, next_pow2, tl, triton, use_kernels, wrap_triton
+from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, wrap_triton
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_ids
 
@@ -47,12 +47,16 @@ def embedding_forward(weight: Tensor, indices: Tensor) -> Tensor:
     return out
 
 
-@kernel_op("embfuse::embedding", mutates_args=())
-def _embedding_op(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool,
-                  sparse: bool) -> Tensor:
+def _forward_impl(weight, indices):
     if use_kernels(weight):
         return embedding_forward(weight, indices)
     return embedding_reference(weight, indices)
+
+
+@kernel_op("embfuse::embedding", mutates_args=())
+def _embedding_op(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool,
+                  sparse: bool) -> Tensor:
+    return _forward_impl(weight, indices)
 
 
 @_embedding_op.register_fake
@@ -141,7 +145,10 @@ def embedding(
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight, flat, max_norm, norm_type)
-    out = _embedding_op(weight, flat, padding_idx, scale_grad_by_freq, sparse)
+    if needs_op(weight):
+        out = _embedding_op(weight, flat, padding_idx, scale_grad_by_freq, sparse)
+    else:
+        out = _forward_impl(weight, flat)
     if keep is not None:
         out = out * keep.reshape(-1, 1)
     return out.view(*input.shape, weight.shape[1])

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, next_pow2, tl, triton, use_kernels, wrap_triton
+from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, wrap_triton
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
 
@@ -83,14 +83,18 @@ def _embedding_bag_fwd_kernel(
     cmask = cols < D
     start = tl.load(offsets + bag).to(tl.int64)
     end = tl.load(offsets + bag + 1).to(tl.int64)
+    lane = tl.arange(0, BLOCK_L)
+    # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
+    # reduction per step would cross warps (shared memory + barrier) and stall the gathers
     if MODE == 2:
-        acc = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        best = tl.full([BLOCK_D], -1, dtype=tl.int64)
+        acc = tl.full([BLOCK_L, BLOCK_D], float("-inf"), dtype=tl.float32)
+        best_pos = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
+        best_id = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
     else:
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    count = tl.zeros([], dtype=tl.int32)
+        acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    count = tl.zeros([BLOCK_L], dtype=tl.int32)
     for s in range(start, end, BLOCK_L):
-        pos = s + tl.arange(0, BLOCK_L)
+        pos = s + lane
         lmask = pos < end
         ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)
         if HAS_PADDING:
@@ -101,23 +105,27 @@ def _embedding_bag_fwd_kernel(
         if HAS_PSW:
             rows = rows * tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)[:, None]
         if MODE == 2:
-            rows = tl.where(m2, rows, float("-inf"))
-            tile_max = tl.max(rows, axis=0)
-            arg = tl.argmax(rows, axis=0)
-            tile_id = tl.sum(tl.where(tl.arange(0, BLOCK_L)[:, None] == arg[None, :], ids[:, None], 0), axis=0)
-            better = tile_max > acc  # strict: the first max wins, as in torch
-            acc = tl.where(better, tile_max, acc)
-            best = tl.where(better, tile_id, best)
+            # strict: a later equal value never replaces an earlier one (torch keeps the first)
+            better = m2 & (rows > acc)
+            acc = tl.where(better, rows, acc)
+            best_pos = tl.where(better, pos[:, None], best_pos)
+            best_id = tl.where(better, ids[:, None], best_id)
         else:
-            acc += tl.sum(rows, axis=0)
-            if MODE == 1:
-                count += tl.sum(lmask.to(tl.int32))
-    if MODE == 1:
-        acc = acc / tl.maximum(count, 1).to(tl.float32)
+            acc += rows
+        if MODE == 1:
+            count += lmask.to(tl.int32)
     if MODE == 2:
-        acc = tl.where(best >= 0, acc, 0.0)
+        top = tl.max(acc, axis=0)
+        # among lanes holding the max, the earliest position wins
+        first = tl.min(tl.where((acc == top[None, :]) & (best_pos >= 0), best_pos, 9223372036854775807), axis=0)
+        best = tl.max(tl.where(best_pos == first[None, :], best_id, -1), axis=0)
+        result = tl.where(best >= 0, top, 0.0)
         tl.store(max_ids + bag * D + cols, best, mask=cmask)
-    tl.store(out + bag * stride_o + cols, acc.to(out.dtype.element_ty), mask=cmask)
+    else:
+        result = tl.sum(acc, axis=0)
+        if MODE == 1:
+            result = result / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
+    tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
 def _blocks(D: int, avg_bag: float) -> tuple[int, int]:
@@ -187,14 +195,18 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                      padding_idx, scale_grad_by_freq, segment_grad)
 
 
+def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx):
+    if use_kernels(weight) and weight.dtype != torch.float64:
+        return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+    return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+
+
 @kernel_op("embfuse::embedding_bag", mutates_args=())
 def _embedding_bag_op(
     weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], mode: int,
     padding_idx: int, scale_grad_by_freq: bool, sparse: bool,
 ) -> tuple[Tensor, Tensor]:
-    if use_kernels(weight) and weight.dtype != torch.float64:
-        return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx)
-    return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+    return _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
 @_embedding_bag_op.register_fake
@@ -351,6 +363,9 @@ def embedding_bag(
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight, indices, max_norm, norm_type)
-    out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx,
-                               scale_grad_by_freq, sparse)
+    if needs_op(weight, per_sample_weights):
+        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx,
+                                   scale_grad_by_freq, sparse)
+    else:
+        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx)
     return out
