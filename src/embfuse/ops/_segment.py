@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from embfuse._triton import next_pow2, tl, triton, wrap_triton
+from embfuse._triton import next_pow2, tl, triton, launch
 
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
@@ -88,7 +88,7 @@ def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     block_d = min(next_pow2(D), 256)
     block_k = max(1, min(64, 4096 // block_d))
     src = src.contiguous()
-    wrap_triton(_segment_grad_kernel)[(n, triton.cdiv(D, block_d))](
+    launch(_segment_grad_kernel)[(n, triton.cdiv(D, block_d))](
         sorted_ids, perm, src,
         src_row if src_row is not None else perm,
         scale if scale is not None else src,

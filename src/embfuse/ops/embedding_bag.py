@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, wrap_triton
+from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, launch
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
 
@@ -146,7 +146,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     if B == 0 or D == 0:
         return out, max_ids
     block_l, block_d = _blocks(D, indices.numel() / B)
-    wrap_triton(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, block_d))](
+    launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, block_d))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight,
         out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
