@@ -161,6 +161,8 @@ def derive(rows: list[dict], bandwidth: float) -> None:
 def run(workloads: list[Workload], providers: list[str], out_dir: Path, progress=None) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
+    if workloads:
+        measure(workloads[0], providers, device)  # warm-up: clocks, allocator, compile caches
     rows = []
     for w in workloads:
         if progress is not None:

@@ -76,7 +76,7 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
 def _embedding_bag_fwd_kernel(
     weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
 ):
     bag = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -101,7 +101,8 @@ def _embedding_bag_fwd_kernel(
             lmask = lmask & (ids != padding_idx)
         m2 = lmask[:, None] & cmask[None, :]
         # a BLOCK_L x BLOCK_D tile of gathered rows: many independent loads in flight
-        rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2, other=0.0,
+                       eviction_policy=EVICT).to(tl.float32)
         if HAS_PSW:
             rows = rows * tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)[:, None]
         if MODE == 2:
@@ -128,15 +129,18 @@ def _embedding_bag_fwd_kernel(
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
-def _blocks(D: int, avg_bag: float) -> tuple[int, int]:
-    """Tile shape rule: cover D in one program up to 256 columns; stack rows so that a tile
-    holds about 2048 elements (16 per thread at 4 warps), but no more rows than a bag holds."""
-    block_d = min(next_pow2(D), 256)
-    block_l = max(1, min(2048 // block_d, 64, next_pow2(max(1, int(avg_bag)))))
-    return block_l, block_d
+def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
+    """Launch shape rule: cover D in one program up to 256 columns; stack rows so that a tile
+    holds about `elems` elements, but no more rows than a bag holds. `overrides` (benchmarks'
+    sweeps) replaces any of: elems, block_l, block_d, num_warps, evict."""
+    cfg = {"elems": 2048, "num_warps": 4, "evict": ""}
+    cfg.update(overrides or {})
+    block_d = cfg.get("block_d") or min(next_pow2(D), 256)
+    block_l = cfg.get("block_l") or max(1, min(cfg["elems"] // block_d, 64, next_pow2(max(1, int(avg_bag)))))
+    return {"BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": cfg["num_warps"], "EVICT": cfg["evict"]}
 
 
-def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx):
+def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`."""
     B, D = offsets.numel() - 1, weight.shape[1]
     out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
@@ -145,13 +149,12 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         max_ids = max_ids.view(0)
     if B == 0 or D == 0:
         return out, max_ids
-    block_l, block_d = _blocks(D, indices.numel() / B)
-    launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, block_d))](
+    cfg = _config(D, indices.numel() / B, config)
+    launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight,
         out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0,
-        BLOCK_L=block_l, BLOCK_D=block_d,
+        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, **cfg,
     )
     return out, max_ids
 
