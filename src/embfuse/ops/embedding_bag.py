@@ -131,13 +131,12 @@ def _embedding_bag_fwd_kernel(
 
 def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
     """Launch shape rule: cover D in one program up to 256 columns; stack rows so that a tile
-    holds about `elems` elements, but no more rows than a bag holds. Two warps a program and
-    1024-element tiles (16 per thread): an H100 sweep over 1024-8192 elements x 2/4/8 warps
-    (benchmarks/NOTES.md) found this best or within 3% of best on fp32 and fp16, D 32 and 128,
-    uniform and power-law ids: small programs keep more bags in flight per SM, and the SM's
-    32-programs limit still allows full occupancy at 2 warps. `overrides` (sweeps) replaces any
-    of: elems, block_l, block_d, num_warps, evict."""
-    cfg = {"elems": 1024, "num_warps": 2, "evict": ""}
+    holds about `elems` elements, but no more rows than a bag holds. One warp a program and
+    256-element tiles (8 per thread): an H100 sweep over 256-8192 elements x 1/2/4/8 warps
+    (benchmarks/NOTES.md) found this within 3% of the best on each of fp32/fp16 x D 32/128 x
+    uniform/power-law ids; larger programs lose more to their slowest bag and hold fewer bags in
+    flight. `overrides` (sweeps) replaces any of: elems, block_l, block_d, num_warps, evict."""
+    cfg = {"elems": 256, "num_warps": 1, "evict": ""}
     cfg.update(overrides or {})
     block_d = cfg.get("block_d") or min(next_pow2(D), 256)
     block_l = cfg.get("block_l") or max(1, min(cfg["elems"] // block_d, 64, next_pow2(max(1, int(avg_bag)))))
