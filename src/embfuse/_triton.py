@@ -54,10 +54,9 @@ def kernel_op(name: str, mutates_args=()):
 
 
 def tracing() -> bool:
-    """True under torch.compile / make_fx / export tracing (fake or proxy tensors)."""
-    return torch.compiler.is_compiling() or torch._C._dispatch_tls_local_include_set().has(
-        torch._C.DispatchKey.Python
-    )
+    """True under torch.compile / make_fx / export tracing: dynamo, or a dispatch mode (fake,
+    proxy, functional) on the stack. Two C calls: this runs on every eager lookup."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def needs_op(*tensors) -> bool:

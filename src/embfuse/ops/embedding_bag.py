@@ -10,12 +10,13 @@ B+1 offsets (the last is where the last bag ends), whatever torch form the calle
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, launch
+from embfuse._triton import kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
 
@@ -129,6 +130,11 @@ def _embedding_bag_fwd_kernel(
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
+@functools.lru_cache(maxsize=256)
+def _config_cached(D: int, avg_bag: int) -> dict:
+    return _config(D, avg_bag)
+
+
 def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
     """Launch shape rule: cover D in one program up to 256 columns; stack rows so that a tile
     holds about `elems` elements, but no more rows than a bag holds. One warp a program and
@@ -152,7 +158,8 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         max_ids = max_ids.view(0)
     if B == 0 or D == 0:
         return out, max_ids
-    cfg = _config(D, indices.numel() / B, config)
+    avg = next_pow2(max(1, indices.numel() // B))
+    cfg = _config(D, avg, config) if config else _config_cached(D, avg)
     launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight,
@@ -287,15 +294,30 @@ def _autograd_backward(ctx, grad, _grad_max_ids):
 _embedding_bag_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _arange_offsets(B: int, L: int, device, dtype) -> Tensor:
+    if L == 0:
+        return torch.zeros(B + 1, device=device, dtype=dtype)
+    return torch.arange(0, B * L + 1, L, device=device, dtype=dtype)
+
+
+_fixed_offsets_cached = functools.lru_cache(maxsize=64)(_arange_offsets)
+
+
+def _fixed_offsets(B: int, L: int, device, dtype) -> Tensor:
+    """Offsets of B bags of L ids. Eager calls reuse them (one arange launch was a quarter of
+    a small lookup's host time); traced and graph-captured calls make them in the graph."""
+    if tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _arange_offsets(B, L, device, dtype)
+    return _fixed_offsets_cached(B, L, device, dtype)
+
+
 def _canonical(input, offsets, per_sample_weights, include_last_offset):
     """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None)."""
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("offsets has to be None if input is 2-D (fixed hotness: each row is a bag)")
         B, L = input.shape
-        offsets = torch.arange(0, B * L + 1, max(L, 1), device=input.device, dtype=input.dtype)
-        if L == 0:
-            offsets = torch.zeros(B + 1, device=input.device, dtype=input.dtype)
+        offsets = _fixed_offsets(B, L, input.device, input.dtype)
         indices = input.reshape(-1)
     elif input.dim() == 1:
         if offsets is None:
