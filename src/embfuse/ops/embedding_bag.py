@@ -159,7 +159,8 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     if B == 0 or D == 0:
         return out, max_ids
     avg = next_pow2(max(1, indices.numel() // B))
-    cfg = _config(D, avg, config) if config else _config_cached(D, avg)
+    # sizes are symbolic while tracing (dynamic shapes): only concrete ones are cached
+    cfg = _config(D, avg, config) if config or tracing() else _config_cached(D, avg)
     launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight,
