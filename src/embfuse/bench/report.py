@@ -56,9 +56,12 @@ def plot(result: dict, path: Path) -> None:
                    for r in grid})
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), squeeze=False)
+    dims = sorted({k[0] for k in keys})
+    dists = sorted({k[1:] for k in keys})
+    fig, axes = plt.subplots(len(dims), len(dists), figsize=(4 * len(dists), 3.2 * len(dims)), squeeze=False)
     bw = result["meta"]["copy_bandwidth_GBps"]
-    for ax, (dim, dist, alpha) in zip(axes[0], keys):
+    for dim, dist, alpha in keys:
+        ax = axes[dims.index(dim)][dists.index((dist, alpha))]
         sel = [r for r in grid if (specs[r["workload"]]["dim"], specs[r["workload"]]["dist"],
                                    specs[r["workload"]]["alpha"]) == (dim, dist, alpha)]
         for provider in dict.fromkeys(r["provider"] for r in sel):
