@@ -5,7 +5,7 @@ is there, everything else runs the pure-torch references.
 """
 
 from embfuse.ops import embedding, embedding_bag, validate_bags
-from embfuse import nn
+from embfuse import nn, optim
 
 __version__ = "0.1.0"
-__all__ = ["embedding", "embedding_bag", "validate_bags", "nn", "__version__"]
+__all__ = ["embedding", "embedding_bag", "validate_bags", "nn", "optim", "__version__"]

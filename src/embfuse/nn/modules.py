@@ -1,5 +1,11 @@
 """Drop-in modules: subclasses of torch's, so constructors, `from_pretrained`, `reset_parameters`
-and state_dicts are torch's own; only the forward runs through embfuse's ops."""
+and state_dicts are torch's own; only the forward runs through embfuse's ops.
+
+With `optimizer=` (an embfuse.optim rule) the backward updates the touched rows in place and
+`weight.grad` stays None. The optimizer state then joins the state_dict as
+`optimizer_<name>` buffers (fp32) and the step count as extra state, so a checkpoint resumes
+bitwise where it left off; loading a plain torch state_dict then needs `strict=False`.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +13,70 @@ import torch
 from torch import Tensor
 
 from embfuse.ops import embedding, embedding_bag
+from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
 
-class Embedding(torch.nn.Embedding):
+class _FusedMixin:
+    def _init_fused(self, bounds_check, optimizer):
+        self.bounds_check = bounds_check
+        self._fused = None
+        if optimizer is not None:
+            self.set_optimizer(optimizer)
+
+    def set_optimizer(self, optimizer) -> None:
+        """Update this table inside the backward with `optimizer` from now on (fresh state)."""
+        fused = FusedOptimizer(optimizer, self.num_embeddings, self.embedding_dim, self.weight.device)
+        for name, tensor in fused.state.items():
+            self.register_buffer(f"optimizer_{name}", tensor)
+        self._fused = fused
+
+    @property
+    def optimizer(self):
+        return self._fused.optimizer if self._fused is not None else None
+
+    def _fused_now(self):
+        """The fused optimizer pointed at this module's current state buffers (module.to() and
+        load_state_dict replace them), or None when this forward is not training."""
+        if self._fused is None or not torch.is_grad_enabled():
+            return None
+        self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
+        return self._fused
+
+    def get_extra_state(self):
+        return {"optimizer_step": self._fused.step if self._fused is not None else 0}
+
+    def set_extra_state(self, state):
+        if self._fused is not None:
+            self._fused.step = int(state.get("optimizer_step", 0))
+
+
+class Embedding(_FusedMixin, torch.nn.Embedding):
     """`torch.nn.Embedding` with embfuse's lookup. `bounds_check` as in `embfuse.embedding`."""
 
-    def __init__(self, *args, bounds_check: str = "raise", **kwargs):
+    def __init__(self, *args, bounds_check: str = "raise", optimizer=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.bounds_check = bounds_check
+        self._init_fused(bounds_check, optimizer)
 
     def forward(self, input: Tensor) -> Tensor:
-        return embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                         self.scale_grad_by_freq, self.sparse, bounds_check=self.bounds_check)
+        args = (input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                self.sparse)
+        fused = self._fused_now()
+        if fused is not None:
+            return fused_embedding(fused, *args, bounds_check=self.bounds_check)
+        return embedding(*args, bounds_check=self.bounds_check)
 
 
-class EmbeddingBag(torch.nn.EmbeddingBag):
+class EmbeddingBag(_FusedMixin, torch.nn.EmbeddingBag):
     """`torch.nn.EmbeddingBag` with embfuse's pooled lookup."""
 
-    def __init__(self, *args, bounds_check: str = "raise", **kwargs):
+    def __init__(self, *args, bounds_check: str = "raise", optimizer=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.bounds_check = bounds_check
+        self._init_fused(bounds_check, optimizer)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
-        return embedding_bag(input, self.weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                             self.mode, self.sparse, per_sample_weights, self.include_last_offset,
-                             self.padding_idx, bounds_check=self.bounds_check)
+        args = (input, self.weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode,
+                self.sparse, per_sample_weights, self.include_last_offset, self.padding_idx)
+        fused = self._fused_now()
+        if fused is not None:
+            return fused_embedding_bag(fused, *args, bounds_check=self.bounds_check)
+        return embedding_bag(*args, bounds_check=self.bounds_check)

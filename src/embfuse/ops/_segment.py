@@ -39,6 +39,45 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 
 
 @triton.jit
+def run_sum(sorted_ids, perm, src, src_row, scale, n, j, row, cols, cmask, stride_src,
+            HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum of the (scaled) source rows of the run of `row` that starts at sorted position j, in
+    chunks of BLOCK_K positions in a fixed order; returns (fp32 sum, run length)."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    count = tl.zeros([], dtype=tl.int32)
+    k = j
+    more = True
+    while more:
+        p = k + tl.arange(0, BLOCK_K)
+        m = p < n
+        m = m & (tl.load(sorted_ids + p, mask=m, other=-1) == row)
+        orig = tl.load(perm + p, mask=m, other=0)
+        if HAS_SRC_ROW:
+            srow = tl.load(src_row + orig, mask=m, other=0).to(tl.int64)
+        else:
+            srow = orig
+        g = tl.load(src + srow[:, None] * stride_src + cols[None, :], mask=m[:, None] & cmask[None, :], other=0.0)
+        g = g.to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale + orig, mask=m, other=0.0).to(tl.float32)[:, None]
+        acc += tl.sum(g, axis=0)
+        c = tl.sum(m.to(tl.int32))
+        count += c
+        k += BLOCK_K
+        more = c == BLOCK_K
+    return acc, count
+
+
+@triton.jit
+def run_head(sorted_ids, j, padding_idx):
+    """(row, whether program j owns it): the first position of a run of a real, non-padding
+    row. Negative ids mark "no row" (e.g. empty max bags, positions outside every bag)."""
+    row = tl.load(sorted_ids + j)
+    prev = tl.load(sorted_ids + j - 1, mask=j > 0, other=-1)
+    return row, (prev != row) & (row >= 0) & (row != padding_idx)
+
+
+@triton.jit
 def _segment_grad_kernel(
     sorted_ids, perm, src, src_row, scale, grad, n, D, stride_src, stride_grad, padding_idx,
     HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
@@ -47,35 +86,18 @@ def _segment_grad_kernel(
     j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
-    row = tl.load(sorted_ids + j)
-    prev = tl.load(sorted_ids + j - 1, mask=j > 0, other=-1)
-    # only the first position of a run works; negative ids mark "no row" (e.g. empty max bags)
-    if (prev != row) & (row >= 0) & (row != padding_idx):
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        count = tl.zeros([], dtype=tl.int32)
-        k = j
-        more = True
-        while more:
-            p = k + tl.arange(0, BLOCK_K)
-            m = p < n
-            m = m & (tl.load(sorted_ids + p, mask=m, other=-1) == row)
-            orig = tl.load(perm + p, mask=m, other=0)
-            if HAS_SRC_ROW:
-                srow = tl.load(src_row + orig, mask=m, other=0).to(tl.int64)
-            else:
-                srow = orig
-            g = tl.load(src + srow[:, None] * stride_src + cols[None, :], mask=m[:, None] & cmask[None, :], other=0.0)
-            g = g.to(tl.float32)
-            if HAS_SCALE:
-                g = g * tl.load(scale + orig, mask=m, other=0.0).to(tl.float32)[:, None]
-            acc += tl.sum(g, axis=0)
-            c = tl.sum(m.to(tl.int32))
-            count += c
-            k += BLOCK_K
-            more = c == BLOCK_K
+    row, owner = run_head(sorted_ids, j, padding_idx)
+    if owner:
+        acc, count = run_sum(sorted_ids, perm, src, src_row, scale, n, j, row, cols, cmask, stride_src,
+                             HAS_SRC_ROW, HAS_SCALE, BLOCK_K, BLOCK_D)
         if SCALE_BY_FREQ:
             acc = acc / count.to(tl.float32)
         tl.store(grad + row * stride_grad + cols, acc.to(grad.dtype.element_ty), mask=cmask)
+
+
+def chunk_rows(block_d: int) -> int:
+    """Positions summed per step of a run: about 4096 elements a step, at most 64 rows."""
+    return max(1, min(64, 4096 // block_d))
 
 
 def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
@@ -86,7 +108,7 @@ def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
         return grad
     sorted_ids, perm = torch.sort(ids.long(), stable=True)
     block_d = min(next_pow2(D), 256)
-    block_k = max(1, min(64, 4096 // block_d))
+    block_k = chunk_rows(block_d)
     src = src.contiguous()
     launch(_segment_grad_kernel)[(n, triton.cdiv(D, block_d))](
         sorted_ids, perm, src,

@@ -114,6 +114,26 @@ def _autograd_backward(ctx, grad):
 _embedding_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name):
+    """Check torch-style arguments (and apply max_norm): returns (1-D ids, keep-mask or None,
+    padding_idx); under bounds_check="skip" out-of-range ids become 0 and keep marks the rest."""
+    check_weight(weight)
+    check_index_dtype(name, input)
+    check_bounds_mode(bounds_check)
+    if input.device != weight.device:
+        raise ValueError(f"{name} is on {input.device} but weight is on {weight.device}")
+    num_embeddings = weight.shape[0]
+    padding_idx = padding_index(padding_idx, num_embeddings)
+    keep = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check)
+    flat = input.reshape(-1).contiguous()
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, 0)
+    if max_norm is not None:
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, flat, max_norm, norm_type)
+    return flat, keep, padding_idx
+
+
 def embedding(
     input: Tensor,
     weight: Tensor,
@@ -131,20 +151,7 @@ def embedding(
     bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" gives a
     zero row (and no gradient) for each out-of-range id, with a warning; "off" checks nothing.
     """
-    check_weight(weight)
-    check_index_dtype(name, input)
-    check_bounds_mode(bounds_check)
-    if input.device != weight.device:
-        raise ValueError(f"{name} is on {input.device} but weight is on {weight.device}")
-    num_embeddings = weight.shape[0]
-    padding_idx = padding_index(padding_idx, num_embeddings)
-    keep = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check)
-    flat = input.reshape(-1).contiguous()
-    if keep is not None:
-        flat = torch.where(keep.reshape(-1), flat, 0)
-    if max_norm is not None:
-        with torch.no_grad():
-            torch.embedding_renorm_(weight, flat, max_norm, norm_type)
+    flat, keep, padding_idx = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
     if needs_op(weight):
         out = _embedding_op(weight, flat, padding_idx, scale_grad_by_freq, sparse)
     else:

@@ -264,6 +264,16 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     return torch.sparse_coo_tensor(ids[None], values, (num_weights, D), check_invariants=False)
 
 
+def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):
+    """d out[b] / d w[p] = weight[ids[p]]: one dot product per pooled position."""
+    B = offsets.numel() - 1
+    keep = _pooled(indices, offsets, padding_idx)
+    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    acc = torch.promote_types(grad.dtype, torch.float32)
+    dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
+    return (dots * keep).to(psw.dtype)
+
+
 def _setup_context(ctx, inputs, output):
     weight, indices, offsets, psw, mode, padding_idx, scale_grad_by_freq, sparse = inputs
     ctx.save_for_backward(weight, indices, offsets, psw, output[1])
@@ -282,13 +292,7 @@ def _autograd_backward(ctx, grad, _grad_max_ids):
             grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, max_ids, num_weights, mode,
                                                      padding_idx, scale_grad_by_freq)
     if psw is not None and ctx.needs_input_grad[3]:
-        # d out[b] / d w[p] = weight[ids[p]]: one dot product per position
-        B = offsets.numel() - 1
-        keep = _pooled(indices, offsets, padding_idx)
-        bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
-        acc = torch.promote_types(grad.dtype, torch.float32)
-        dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
-        grad_psw = (dots * keep).to(psw.dtype)
+        grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx)
     return grad_weight, None, None, grad_psw, None, None, None, None
 
 
@@ -338,29 +342,10 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
     return indices.contiguous(), offsets.contiguous(), per_sample_weights
 
 
-def embedding_bag(
-    input: Tensor,
-    weight: Tensor,
-    offsets: Optional[Tensor] = None,
-    max_norm: Optional[float] = None,
-    norm_type: float = 2,
-    scale_grad_by_freq: bool = False,
-    mode: str = "mean",
-    sparse: bool = False,
-    per_sample_weights: Optional[Tensor] = None,
-    include_last_offset: bool = False,
-    padding_idx: Optional[int] = None,
-    *,
-    bounds_check: str = "raise",
-    name: str = "input",
-) -> Tensor:
-    """Drop-in for `torch.nn.functional.embedding_bag`.
-
-    bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" drops
-    out-of-range ids from their bags with a warning (FBGEMM's WARNING mode); "off" checks
-    nothing and needs no device-to-host read (for CUDA graphs; ids must then be valid).
-    `name` is how errors call the input (a feature name, say).
-    """
+def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name):
+    """Check and canonicalise torch-style arguments (and apply max_norm): returns the
+    (indices, offsets, per_sample_weights, mode number, padding_idx) that the ops take."""
     check_weight(weight)
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -392,9 +377,38 @@ def embedding_bag(
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight, indices, max_norm, norm_type)
+    return indices, offsets, per_sample_weights, MODES[mode], padding_idx
+
+
+def embedding_bag(
+    input: Tensor,
+    weight: Tensor,
+    offsets: Optional[Tensor] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Optional[Tensor] = None,
+    include_last_offset: bool = False,
+    padding_idx: Optional[int] = None,
+    *,
+    bounds_check: str = "raise",
+    name: str = "input",
+) -> Tensor:
+    """Drop-in for `torch.nn.functional.embedding_bag`.
+
+    bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" drops
+    out-of-range ids from their bags with a warning (FBGEMM's WARNING mode); "off" checks
+    nothing and needs no device-to-host read (for CUDA graphs; ids must then be valid).
+    `name` is how errors call the input (a feature name, say).
+    """
+    indices, offsets, per_sample_weights, mode, padding_idx = prepare_bags(
+        input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
+        include_last_offset, padding_idx, bounds_check, name)
     if needs_op(weight, per_sample_weights):
-        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx,
+        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
-        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, MODES[mode], padding_idx)
+        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     return out

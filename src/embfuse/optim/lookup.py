@@ -1,0 +1,96 @@
+"""Lookups whose backward applies the optimizer: what modules built with `optimizer=` run.
+
+The weight is not an autograd input (its .grad stays None); a scalar `anchor` that requires
+grad makes autograd call the backward, which updates the touched rows in place. The backward
+reads the ids saved by the forward, so a batch rejected by validation never reaches it: weights
+and state stay bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embfuse.ops.embedding import _forward_impl as _gather
+from embfuse.ops.embedding import prepare_ids
+from embfuse.ops.embedding_bag import _backward_inputs, per_sample_weights_grad, prepare_bags
+from embfuse.ops.embedding_bag import _forward_impl as _pool
+from embfuse.optim.fused import apply_sparse_update
+from embfuse.optim.rules import init_state
+
+
+class FusedOptimizer:
+    """An optimizer bound to one table: its fp32 state and its step count."""
+
+    def __init__(self, optimizer, num_embeddings: int, dim: int, device):
+        self.optimizer = optimizer
+        self.state = init_state(optimizer, num_embeddings, dim, device)
+        self.step = 0
+        self.anchor = torch.ones((), requires_grad=True)
+
+
+class _FusedBag(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, weight, indices, offsets, psw, mode, padding_idx, fused):
+        out, _ = _pool(weight, indices, offsets, psw, mode, padding_idx)
+        ctx.save_for_backward(indices, offsets, psw)
+        ctx.weight, ctx.mode, ctx.padding_idx, ctx.fused = weight, mode, padding_idx, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        indices, offsets, psw = ctx.saved_tensors
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[4]:  # before the rows change
+            grad_psw = per_sample_weights_grad(grad, ctx.weight, indices, offsets, psw, ctx.padding_idx)
+        fused = ctx.fused
+        fused.step += 1
+        if offsets.numel() > 1:
+            ids, bag, scale = _backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx)
+            apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
+                                fused.step, ctx.padding_idx)
+        return None, None, None, None, grad_psw, None, None, None
+
+
+class _FusedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, weight, ids, keep, padding_idx, fused):
+        ctx.save_for_backward(ids, keep)
+        ctx.weight, ctx.padding_idx, ctx.fused = weight, padding_idx, fused
+        out = _gather(weight, ids)
+        return out if keep is None else out * keep.reshape(-1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, keep = ctx.saved_tensors
+        fused = ctx.fused
+        fused.step += 1
+        if keep is not None:
+            ids = torch.where(keep.reshape(-1), ids.long(), -1)
+        apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids.long(), grad.contiguous(), None, None,
+                            fused.step, ctx.padding_idx)
+        return None, None, None, None, None, None
+
+
+def _unsupported(scale_grad_by_freq, sparse, mode="sum"):
+    if scale_grad_by_freq or sparse or mode == "max":
+        raise ValueError("a fused optimizer supports sum and mean pooling without scale_grad_by_freq or sparse")
+
+
+def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_norm=None, norm_type=2.0,
+                        scale_grad_by_freq=False, mode="mean", sparse=False, per_sample_weights=None,
+                        include_last_offset=False, padding_idx=None, *, bounds_check="raise", name="input"):
+    """`embfuse.embedding_bag` whose backward updates `weight` with `fused` instead of a gradient."""
+    _unsupported(scale_grad_by_freq, sparse, mode)
+    indices, offsets, psw, mode, padding_idx = prepare_bags(
+        input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
+        include_last_offset, padding_idx, bounds_check, name)
+    return _FusedBag.apply(fused.anchor, weight.detach(), indices, offsets, psw, mode, padding_idx, fused)
+
+
+def fused_embedding(fused: FusedOptimizer, input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                    scale_grad_by_freq=False, sparse=False, *, bounds_check="raise", name="input"):
+    """`embfuse.embedding` whose backward updates `weight` with `fused` instead of a gradient."""
+    _unsupported(scale_grad_by_freq, sparse)
+    flat, keep, padding_idx = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
+    out = _FusedEmbedding.apply(fused.anchor, weight.detach(), flat, keep, padding_idx, fused)
+    return out.view(*input.shape, weight.shape[1])

@@ -1,0 +1,114 @@
+"""Sparse optimizers: the update rules, written once in torch for the CPU path and the tests.
+
+Each touched row r gets its summed gradient g (duplicates in a batch summed first, as FBGEMM's
+exact optimizers do); L2 weight decay adds weight_decay * w to g, as torch.optim does. Rows no id
+touches are left alone (lazy), which equals torch.optim on the dense gradient for SGD and Adagrad
+(a zero gradient changes neither their weights nor their state) and for Adam on rows whose
+moments are zero. Argument names and defaults are torch.optim's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SGD:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    kind = SGD_KIND
+
+    def state_spec(self):
+        """name -> (per "row" or per "element", initial value); all state is fp32."""
+        return {}
+
+    def scalars(self, step: int) -> tuple[float, float, float, float, float, float]:
+        """(lr for this step, eps, weight_decay, beta1, beta2, sqrt of bias correction 2)."""
+        return self.lr, 0.0, self.weight_decay, 0.0, 0.0, 1.0
+
+    def update(self, w, g, state, step):
+        return w - self.lr * (g + self.weight_decay * w), state
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    kind = ADAGRAD_KIND
+
+    def state_spec(self):
+        return {"sum": ("element", self.initial_accumulator_value)}
+
+    def scalars(self, step):
+        return self.lr / (1 + (step - 1) * self.lr_decay), self.eps, self.weight_decay, 0.0, 0.0, 1.0
+
+    def update(self, w, g, state, step):
+        lr = self.scalars(step)[0]
+        g = g + self.weight_decay * w
+        s = state["sum"] + g * g
+        return w - lr * g / (s.sqrt() + self.eps), {"sum": s}
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad:
+    """FBGEMM's row-wise Adagrad: one accumulator per row, fed the mean of g^2 over the row."""
+
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    kind = ROWWISE_ADAGRAD_KIND
+
+    def state_spec(self):
+        return {"sum": ("row", self.initial_accumulator_value)}
+
+    def scalars(self, step):
+        return self.lr, self.eps, self.weight_decay, 0.0, 0.0, 1.0
+
+    def update(self, w, g, state, step):
+        g = g + self.weight_decay * w
+        s = state["sum"] + (g * g).mean(dim=1)
+        return w - self.lr * g / (s.sqrt() + self.eps)[:, None], {"sum": s}
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's rule on the touched rows only (lazy, like torch.optim.SparseAdam; the
+    step count is global, one per backward)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    kind = ADAM_KIND
+
+    def state_spec(self):
+        return {"exp_avg": ("element", 0.0), "exp_avg_sq": ("element", 0.0)}
+
+    def scalars(self, step):
+        b1, b2 = self.betas
+        return self.lr / (1 - b1**step), self.eps, self.weight_decay, b1, b2, math.sqrt(1 - b2**step)
+
+    def update(self, w, g, state, step):
+        lr_t, eps, wd, b1, b2, bc2_sqrt = self.scalars(step)
+        g = g + wd * w
+        m = state["exp_avg"].lerp(g, 1 - b1)
+        v = state["exp_avg_sq"] * b2 + (1 - b2) * g * g
+        return w - lr_t * m / (v.sqrt() / bc2_sqrt + eps), {"exp_avg": m, "exp_avg_sq": v}
+
+
+def init_state(optimizer, num_embeddings: int, dim: int, device) -> dict[str, torch.Tensor]:
+    """fp32 optimizer state for a table, whatever the table's dtype."""
+    out = {}
+    for name, (per, value) in optimizer.state_spec().items():
+        shape = (num_embeddings,) if per == "row" else (num_embeddings, dim)
+        out[name] = torch.full(shape, float(value), dtype=torch.float32, device=device)
+    return out

@@ -1,0 +1,190 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import embfuse
+from embfuse.optim import Adagrad, Adam, RowWiseAdagrad, SGD, apply_sparse_update, apply_sparse_update_reference
+from embfuse.optim.rules import init_state
+from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
+from tests.tolerances import assert_close, random_bags
+
+OPTIMIZERS = [SGD(lr=0.1, weight_decay=0.01), Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+              RowWiseAdagrad(lr=0.1, weight_decay=0.01), Adam(lr=0.05, weight_decay=0.01)]
+OPT_IDS = ["sgd", "adagrad", "rowwise", "adam"]
+
+
+@requires_kernels
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [1, 3, 64, 129])
+def test_kernel_update_matches_float64_reference(opt, dtype, D):
+    N, n = 30, 200
+    base = torch.randn(N, D, device=KERNEL_DEVICE)
+    ids = torch.randint(0, N, (n,), device=KERNEL_DEVICE)
+    ids[::3] = 7  # a hot row: runs longer than a chunk
+    ids[::11] = -1  # positions that update nothing
+    src = torch.randn(50, D, device=KERNEL_DEVICE)
+    src_row = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
+    scale = torch.rand(n, device=KERNEL_DEVICE) + 0.5
+    w, state = base.to(dtype), init_state(opt, N, D, KERNEL_DEVICE)
+    for k in state:
+        state[k].uniform_(0.1, 1.0)
+    w64, state64 = w.double(), {k: v.double() for k, v in state.items()}
+    # two steps in fp32; one in fp16/bf16, where rounding the table between steps can move
+    # kernel and reference an ulp apart and the next step carries that on
+    for step in (1, 2) if dtype == torch.float32 else (1,):
+        apply_sparse_update(w, state, opt, ids, src.to(dtype), src_row, scale, step, padding_idx=3, kernel=True)
+        apply_sparse_update_reference(w64, state64, opt, ids, src.to(dtype).double(), src_row, scale.double(), step,
+                                      padding_idx=3)
+    assert_close(w, w64, dtype, reduction=8)
+    for k in state:
+        assert_close(state[k], state64[k], torch.float32, reduction=n)
+    assert torch.equal(w[3], base.to(dtype)[3])  # padding row untouched
+
+
+@requires_kernels
+def test_kernel_update_is_bitwise_deterministic():
+    N, D, n = 8, 64, 500
+    ids = torch.randint(0, N, (n,), device=KERNEL_DEVICE)
+    src = torch.randn(n, D, device=KERNEL_DEVICE)
+    results = []
+    for _ in range(3):
+        w = torch.ones(N, D, device=KERNEL_DEVICE)
+        state = init_state(Adam(), N, D, KERNEL_DEVICE)
+        apply_sparse_update(w, state, Adam(), ids, src, kernel=True)
+        results.append((w, state["exp_avg_sq"]))
+    assert all(torch.equal(results[0][0], r[0]) and torch.equal(results[0][1], r[1]) for r in results)
+
+
+def _pair(device, mode, torch_opt, opt, N=12, D=5):
+    ours = embfuse.nn.EmbeddingBag(N, D, mode=mode, optimizer=opt, device=device)
+    theirs = torch.nn.EmbeddingBag(N, D, mode=mode, device=device)
+    theirs.load_state_dict(ours.state_dict(), strict=False)
+    return ours, theirs, torch_opt(theirs.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("name,opt,torch_opt", [
+    ("sgd", SGD(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5)),
+    ("adagrad", Adagrad(lr=0.5, lr_decay=0.1, initial_accumulator_value=0.1),
+     lambda p: torch.optim.Adagrad(p, lr=0.5, lr_decay=0.1, initial_accumulator_value=0.1)),
+    ("adam", Adam(lr=0.05), lambda p: torch.optim.Adam(p, lr=0.05)),
+])
+def test_training_equals_torch_optim_on_the_dense_gradient(device, mode, name, opt, torch_opt):
+    ours, theirs, topt = _pair(device, mode, torch_opt, opt)
+    for step in range(3):
+        x, offsets = random_bags(6, 5, 12, device)
+        x[::2] = 4  # duplicates within the batch
+        if name == "adam":  # torch's dense Adam moves untouched rows too: touch every row
+            x = torch.cat([torch.arange(12, device=device), x])
+            offsets = torch.cat([offsets[:1], offsets[1:] + 12])
+        g = torch.randn(offsets.numel() - 1, 5, device=device)
+        ours(x, offsets[:-1]).backward(g)
+        topt.zero_grad()
+        theirs(x, offsets[:-1]).backward(g)
+        topt.step()
+        assert ours.weight.grad is None
+        assert_close(ours.weight, theirs.weight, torch.float32, reduction=x.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rowwise_adagrad_by_hand(device):
+    m = embfuse.nn.Embedding(4, 2, optimizer=RowWiseAdagrad(lr=1.0, eps=0.0), device=device)
+    with torch.no_grad():
+        m.weight.zero_()
+    m(torch.tensor([1, 1, 2], device=device)).backward(torch.tensor([[1.0, 3.0], [1.0, 1.0], [0.0, 2.0]],
+                                                                     device=device))
+    # row 1: g = (2, 4), mean g^2 = 10, w = -g / sqrt(10); row 2: g = (0, 2), mean g^2 = 2
+    expected = torch.tensor([[0.0, 0.0], [-2.0, -4.0], [0.0, -2.0], [0.0, 0.0]]) / torch.tensor(
+        [[1.0], [10.0 ** 0.5], [2.0 ** 0.5], [1.0]])
+    assert_close(m.weight.detach(), expected, torch.float32)
+    assert_close(m.optimizer_sum, torch.tensor([0.0, 10.0, 2.0, 0.0]), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_round_trip_is_bitwise(device):
+    torch.manual_seed(1)
+    batches = [random_bags(8, 6, 40, device) for _ in range(4)]
+    grads = [torch.randn(8, 16, device=device) for _ in range(4)]
+
+    def train(m, steps):
+        for (x, off), g in zip(batches[steps], grads[steps]):
+            m(x, off[:-1]).backward(g)
+
+    straight = embfuse.nn.EmbeddingBag(40, 16, mode="sum", optimizer=Adam(lr=0.01), device=device)
+    start = {k: v.clone() if torch.is_tensor(v) else v for k, v in straight.state_dict().items()}
+    train(straight, slice(0, 4))
+    first = embfuse.nn.EmbeddingBag(40, 16, mode="sum", optimizer=Adam(lr=0.01), device=device)
+    first.load_state_dict(start)
+    train(first, slice(0, 2))
+    resumed = embfuse.nn.EmbeddingBag(40, 16, mode="sum", optimizer=Adam(lr=0.01), device=device)
+    resumed.load_state_dict(first.state_dict())
+    train(resumed, slice(2, 4))
+    assert resumed._fused.step == 4
+    for k, v in straight.state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rejected_batch_changes_nothing(device):
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adagrad(lr=0.1), device=device)
+    m(torch.tensor([[1, 2]], device=device)).sum().backward()
+    before = {k: v.clone() for k, v in m.state_dict().items() if torch.is_tensor(v)}
+    with pytest.raises(IndexError, match="out of range"):
+        m(torch.tensor([[1, 10]], device=device)).sum().backward()
+    for k, v in before.items():
+        assert torch.equal(v, m.state_dict()[k]), k
+    assert m._fused.step == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_tables_train_with_fp32_state(device, dtype):
+    m = embfuse.nn.EmbeddingBag(20, 8, mode="sum", optimizer=Adagrad(lr=0.1), device=device, dtype=dtype)
+    ref = m.weight.detach().double().clone()
+    state = torch.zeros(20, 8, dtype=torch.float64)
+    x = torch.randint(0, 20, (4, 3), device=device)
+    g = torch.randn(4, 8, device=device).to(dtype)
+    m(x).backward(g)
+    assert m.optimizer_sum.dtype == torch.float32 and m.weight.dtype == dtype
+    apply_sparse_update_reference(ref, {"sum": state}, Adagrad(lr=0.1), x.reshape(-1).cpu(), g.double().cpu(),
+                                  torch.arange(4).repeat_interleave(3), None, 1)
+    assert_close(m.weight.detach(), ref, dtype, reduction=3)
+
+
+def test_apply_optimizer_in_backward_and_the_rest_of_the_model():
+    bag = embfuse.nn.EmbeddingBag(10, 4, mode="sum")
+    emb = embfuse.nn.Embedding(10, 4)
+    embfuse.optim.apply_optimizer_in_backward(SGD(lr=0.1), [bag, emb])
+    dense = torch.nn.Linear(8, 1)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    w_bag, w_emb, w_dense = bag.weight.detach().clone(), emb.weight.detach().clone(), dense.weight.detach().clone()
+    x = torch.tensor([[1, 2], [3, 3]])
+    loss = dense(torch.cat([bag(x), emb(x).sum(1)], dim=1)).sum()
+    loss.backward()
+    dense_opt.step()
+    assert bag.weight.grad is None and emb.weight.grad is None
+    assert not torch.equal(bag.weight, w_bag) and not torch.equal(emb.weight, w_emb)
+    assert not torch.equal(dense.weight, w_dense)
+    assert torch.equal(bag.weight[0], w_bag[0])  # untouched row
+    with torch.no_grad():  # evaluation: no update, no step
+        bag(x)
+    assert bag._fused.step == 1
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="fused optimizer supports sum and mean"):
+        embfuse.nn.EmbeddingBag(10, 4, mode="max", optimizer=SGD())(torch.tensor([[1]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_sample_weights_get_gradients_with_a_fused_table(device):
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=SGD(lr=0.0), device=device)
+    x, off = torch.tensor([1, 2, 3], device=device), torch.tensor([0, 2], device=device)
+    p = torch.rand(3, device=device, requires_grad=True)
+    m(x, off, per_sample_weights=p).sum().backward()
+    p2 = p.detach().clone().requires_grad_()
+    F.embedding_bag(x, m.weight.detach(), off, mode="sum", per_sample_weights=p2).sum().backward()
+    assert_close(p.grad, p2.grad, torch.float32, reduction=4)
