@@ -40,3 +40,16 @@ def test_derive_and_markdown():
     assert rows[1]["speedup_vs_torch"] == 2.0 and rows[1]["pct_roofline"] == pytest.approx(10.0)
     md = markdown({"rows": rows, "workloads": [dataclasses.asdict(w)]})
     assert "| t | 20.0 | 10.0 | 10% |" in md
+
+
+def test_train_steps_run_and_update_on_cpu():
+    from embfuse.bench.train import TRAIN_PROVIDERS, batches, count_train_bytes
+
+    w = Workload("t", "train", 50, 4, 8, 3, tables=2)
+    ids = batches(w, "cpu")
+    assert count_train_bytes(w, ids, True)["min_bytes"] > count_train_bytes(w, ids, False)["min_bytes"]
+    for name in ("torch", "embfuse", "embfuse rowwise-adagrad"):
+        step, mods = TRAIN_PROVIDERS[name](w, ids, "cpu")
+        before = mods[0].weight.detach().clone()
+        step()
+        assert not torch.equal(before, mods[0].weight.detach()), name

@@ -44,7 +44,7 @@ def count_bytes(w: Workload, ids: torch.Tensor, offsets) -> dict:
     return {
         "distinct_rows": distinct,
         "ids": looked_up,
-        "min_bytes": w.tables * (distinct * w.dim * elt + out_rows * w.dim * elt) + index_bytes,
+        "min_bytes": w.tables * (distinct * w.dim * elt + out_rows * w.dim * elt + index_bytes),
         "rows_bytes": w.tables * looked_up * w.dim * elt,
     }
 
@@ -84,6 +84,11 @@ def _graph_us(fn) -> float | None:
 
 def measure(w: Workload, providers: list[str], device) -> list[dict]:
     from triton.testing import do_bench
+
+    if w.kind == "train":
+        from embfuse.bench.train import measure_train
+
+        return measure_train(w, device)
 
     tables = [torch.randn(w.rows, w.dim, device=device).to(w.torch_dtype) for _ in range(w.tables)]
     ids, offsets = generate_batch(w, device)
@@ -152,8 +157,10 @@ def derive(rows: list[dict], bandwidth: float) -> None:
         r["rows_rate_GBps"] = r["rows_bytes"] / (r["us"] * 1e-6) / 1e9
     for group in by_workload.values():
         for r in group.values():
+            # "embfuse rowwise-adagrad" is compared with "fbgemm rowwise-adagrad" where there is one
+            suffix = r["provider"][len("embfuse"):] if r["provider"].startswith("embfuse") else ""
             for peer in ("torch", "fbgemm"):
-                p = group.get(peer)
+                p = group.get(peer + suffix) or group.get(peer)
                 if "us" in r and p is not None and "us" in p:
                     r[f"speedup_vs_{peer}"] = p["us"] / r["us"]
 
@@ -161,7 +168,7 @@ def derive(rows: list[dict], bandwidth: float) -> None:
 def run(workloads: list[Workload], providers: list[str], out_dir: Path, progress=None) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    if workloads:
+    if workloads and workloads[0].kind != "train":
         measure(workloads[0], providers, device)  # warm-up: clocks, allocator, compile caches
     rows = []
     for w in workloads:

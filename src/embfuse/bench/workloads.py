@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-WORKLOADS_VERSION = 1
+WORKLOADS_VERSION = 2
 
 # a multiplier coprime with every table size used here: scatters power-law ranks over the table
 _HASH = 2_654_435_761
@@ -18,7 +18,8 @@ _HASH = 2_654_435_761
 
 @dataclass(frozen=True)
 class Workload:
-    """One lookup problem. kind: "bag" (pooled) or "embedding" (plain gather).
+    """One lookup problem. kind: "bag" (pooled), "embedding" (plain gather) or "train" (forward,
+    backward and optimizer update of `tables` tables, sum pooling).
 
     dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table) or
     "hotset" (a fraction `alpha` of accesses to 1/1000 of the rows). layout: "fixed" (2-D ids,
@@ -114,5 +115,10 @@ def workloads(quick: bool = False) -> list[Workload]:
         for dim in (32, 128):
             out.append(Workload(f"embedding {n} x D{dim}", "embedding", 1_000_000, dim, n, group="embedding"))
     out.append(Workload("dlrm 12 x 500K x 128, B2048 L150", "bag", 500_000, 128, 2048, 150, tables=12, group="dlrm"))
+    if not quick:
+        out.append(Workload("train 26 x 1M x 128, B16384 L20 powerlaw1.05", "train", 1_000_000, 128, 16384, 20,
+                            "powerlaw", 1.05, tables=26, group="train"))
+        out.append(Workload("train 8 x 10M x 64, B65536 L32 uniform", "train", 10_000_000, 64, 65536, 32,
+                            tables=8, group="train"))
     out.append(Workload("latency D64 B512 L8", "bag", 100_000, 64, 512, 8, group="latency"))
     return out

@@ -1,0 +1,113 @@
+"""Training-step providers: forward + backward + optimizer update of T tables, sum pooling.
+
+Bytes a fused step must move, per table: the distinct rows read by the forward, read again and
+written by the update, (row-wise Adagrad) one fp32 state value per distinct row read and written,
+the pooled output written and its gradient read, and the ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import embfuse
+from embfuse.bench.providers import Unsupported
+from embfuse.bench.workloads import Workload, generate_batch
+
+
+def batches(w: Workload, device):
+    """One (2-D ids) batch per table, each from its own seed."""
+    return [generate_batch(w, device, seed=t)[0] for t in range(w.tables)]
+
+
+def count_train_bytes(w: Workload, ids: list[torch.Tensor], rowwise_state: bool) -> dict:
+    elt = torch.empty(0, dtype=w.torch_dtype).element_size()
+    total = distinct_all = 0
+    for x in ids:
+        distinct = int(torch.unique(x).numel())
+        distinct_all += distinct
+        total += 3 * distinct * w.dim * elt + 2 * w.batch * w.dim * 4 + x.numel() * x.element_size()
+        total += 8 * distinct if rowwise_state else 0
+    return {"distinct_rows": distinct_all, "ids": sum(x.numel() for x in ids), "min_bytes": total,
+            "rows_bytes": sum(x.numel() for x in ids) * w.dim * elt}
+
+
+def _step(lookups, grad):
+    def step():
+        torch.cat([f() for f in lookups], dim=1).backward(grad)
+    return step
+
+
+def torch_sparse_sgd(w, ids, device):
+    mods = [torch.nn.EmbeddingBag(w.rows, w.dim, mode="sum", sparse=True, device=device) for _ in ids]
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.01)
+    grad = torch.randn(w.batch, w.dim * len(ids), device=device)
+    inner = _step([lambda m=m, x=x: m(x) for m, x in zip(mods, ids)], grad)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        inner()
+        opt.step()
+    return step, mods
+
+
+def _embfuse(optimizer):
+    def make(w, ids, device):
+        mods = [embfuse.nn.EmbeddingBag(w.rows, w.dim, mode="sum", optimizer=optimizer, bounds_check="off",
+                                        device=device) for _ in ids]
+        grad = torch.randn(w.batch, w.dim * len(ids), device=device)
+        return _step([lambda m=m, x=x: m(x) for m, x in zip(mods, ids)], grad), mods
+    return make
+
+
+def _fbgemm(kind):
+    def make(w, ids, device):
+        try:
+            from fbgemm_gpu.split_embedding_configs import EmbOptimType
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+                ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+            )
+        except ImportError as e:
+            raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
+        opt = EmbOptimType.EXACT_SGD if kind == "sgd" else EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(w.rows, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for _ in ids],
+            optimizer=opt, learning_rate=0.01, eps=1e-8, bounds_check_mode=BoundsCheckMode.NONE)
+        flat = torch.cat([x.reshape(-1) for x in ids])
+        offs = torch.arange(0, flat.numel() + 1, w.hotness, device=device)
+        grad = torch.randn(w.batch, w.dim * len(ids), device=device)
+
+        def step():
+            tbe(flat, offs).backward(grad)
+        return step, [tbe]
+    return make
+
+
+TRAIN_PROVIDERS = {
+    "torch": torch_sparse_sgd,
+    "embfuse": _embfuse(embfuse.optim.SGD(lr=0.01)),
+    "embfuse rowwise-adagrad": _embfuse(embfuse.optim.RowWiseAdagrad(lr=0.01, eps=1e-8)),
+    "fbgemm": _fbgemm("sgd"),
+    "fbgemm rowwise-adagrad": _fbgemm("rowwise"),
+}
+
+
+def measure_train(w: Workload, device) -> list[dict]:
+    from triton.testing import do_bench
+
+    ids = batches(w, device)
+    rows = []
+    for name, make in TRAIN_PROVIDERS.items():
+        row = {"workload": w.name, "provider": name, **count_train_bytes(w, ids, "rowwise" in name)}
+        try:
+            step, keep = make(w, ids, device)
+            step()
+            row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
+            del step, keep
+        except Unsupported as e:
+            row["skipped"] = str(e)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
