@@ -3,7 +3,7 @@ and state_dicts are torch's own; only the forward runs through embfuse's ops.
 
 With `optimizer=` (an embfuse.optim rule) the backward updates the touched rows in place and
 `weight.grad` stays None. The optimizer state then joins the state_dict as
-`optimizer_<name>` buffers (fp32) and the step count as extra state, so a checkpoint resumes
+`optimizer_<name>` buffers (fp32) with the step count as `optimizer_step`, so a checkpoint resumes
 bitwise where it left off; loading a plain torch state_dict then needs `strict=False`.
 """
 
@@ -42,12 +42,25 @@ class _FusedMixin:
         self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
         return self._fused
 
-    def get_extra_state(self):
-        return {"optimizer_step": self._fused.step if self._fused is not None else 0}
-
-    def set_extra_state(self, state):
+    # the step count is a host int (bias corrections are host scalars: no device read per step);
+    # it joins the state_dict as "optimizer_step" only when there is an optimizer, so plain
+    # modules keep torch's keys exactly
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._fused is not None:
-            self._fused.step = int(state.get("optimizer_step", 0))
+            destination[prefix + "optimizer_step"] = torch.tensor(self._fused.step)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "optimizer_step"
+        if self._fused is not None:
+            if key in state_dict:
+                self._fused.step = int(state_dict[key])
+            elif strict:
+                missing_keys.append(key)
+        state_dict = {k: v for k, v in state_dict.items() if k != key or self._fused is None}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
 
 class Embedding(_FusedMixin, torch.nn.Embedding):
