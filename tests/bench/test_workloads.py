@@ -53,3 +53,16 @@ def test_train_steps_run_and_update_on_cpu():
         before = mods[0].weight.detach().clone()
         step()
         assert not torch.equal(before, mods[0].weight.detach()), name
+
+
+def test_dense_backward_steps_fill_gradients_on_cpu():
+    from embfuse.bench.train import BACKWARD_PROVIDERS, batches
+
+    w = Workload("t", "backward", 50, 4, 8, 3)
+    ids = batches(w, "cpu")
+    grads = []
+    for make in BACKWARD_PROVIDERS.values():
+        step, tables = make(w, ids, "cpu")
+        step()
+        grads.append(tables[0].grad)
+    assert grads[0].abs().sum() > 0 and grads[0].shape == grads[1].shape

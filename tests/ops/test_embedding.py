@@ -73,3 +73,18 @@ def test_opcheck_and_compile(device):
     f = torch.compile(lambda x, w: embfuse.embedding(x, w).square().sum(), fullgraph=True)
     (g,) = torch.autograd.grad(f(ids, w), w)
     assert_close(g, torch.autograd.grad(F.embedding(ids, w).square().sum(), w)[0], torch.float32, reduction=9)
+
+
+@requires_kernels
+@pytest.mark.parametrize("freq", [False, True])
+def test_backward_hot_row_longer_than_a_piece(freq):
+    """A row seen thousands of times is summed in pieces by many programs, then in order."""
+    n, D = 1200, 3  # D=3: a piece is 512 positions, so the hot row spans 2 pieces
+    ids = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
+    ids[: n * 3 // 4] = 9
+    ids = ids[torch.randperm(n, device=KERNEL_DEVICE)]
+    grad = torch.randn(n, D, device=KERNEL_DEVICE)
+    got = segment_grad(ids, grad, None, None, 50, -1, freq, torch.float32)
+    ref = segment_grad_reference(ids, grad.double(), None, None, 50, -1, freq, torch.float64)
+    assert_close(got, ref, torch.float32, reduction=n)
+    assert torch.equal(got, segment_grad(ids, grad, None, None, 50, -1, freq, torch.float32))

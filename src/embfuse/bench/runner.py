@@ -85,7 +85,7 @@ def _graph_us(fn) -> float | None:
 def measure(w: Workload, providers: list[str], device) -> list[dict]:
     from triton.testing import do_bench
 
-    if w.kind == "train":
+    if w.kind in ("train", "backward"):
         from embfuse.bench.train import measure_train
 
         return measure_train(w, device)
@@ -168,7 +168,7 @@ def derive(rows: list[dict], bandwidth: float) -> None:
 def run(workloads: list[Workload], providers: list[str], out_dir: Path, progress=None) -> dict:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    if workloads and workloads[0].kind != "train":
+    if workloads and workloads[0].kind in ("bag", "embedding"):
         measure(workloads[0], providers, device)  # warm-up: clocks, allocator, compile caches
     rows = []
     for w in workloads:

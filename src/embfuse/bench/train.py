@@ -1,4 +1,5 @@
-"""Training-step providers: forward + backward + optimizer update of T tables, sum pooling.
+"""Training-step providers: forward + backward + optimizer update of T tables, sum pooling
+(kind "train"); and forward + backward to a dense weight gradient (kind "backward").
 
 Bytes a fused step must move, per table: the distinct rows read by the forward, read again and
 written by the update, (row-wise Adagrad) one fp32 state value per distinct row read and written,
@@ -6,6 +7,8 @@ the pooled output written and its gradient read, and the ids.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -92,13 +95,36 @@ TRAIN_PROVIDERS = {
 }
 
 
+def _dense(lookup):
+    def make(w, ids, device):
+        tables = [torch.randn(w.rows, w.dim, device=device, requires_grad=True) for _ in ids]
+        grad = torch.randn(w.batch, w.dim * len(ids), device=device)
+        inner = _step([lambda t=t, x=x: lookup(x, t, mode="sum") for t, x in zip(tables, ids)], grad)
+
+        def step():
+            for t in tables:
+                t.grad = None
+            inner()
+        return step, tables
+    return make
+
+
+BACKWARD_PROVIDERS = {
+    "torch": _dense(torch.nn.functional.embedding_bag),
+    "embfuse": _dense(functools.partial(embfuse.embedding_bag, bounds_check="off")),
+}
+
+
 def measure_train(w: Workload, device) -> list[dict]:
     from triton.testing import do_bench
 
     ids = batches(w, device)
     rows = []
-    for name, make in TRAIN_PROVIDERS.items():
+    providers = TRAIN_PROVIDERS if w.kind == "train" else BACKWARD_PROVIDERS
+    for name, make in providers.items():
         row = {"workload": w.name, "provider": name, **count_train_bytes(w, ids, "rowwise" in name)}
+        if w.kind == "backward":  # the dense gradient: zeroed and written whole, every step
+            row["min_bytes"] += 2 * w.tables * w.rows * w.dim * 4
         try:
             step, keep = make(w, ids, device)
             step()

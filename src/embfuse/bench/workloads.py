@@ -19,7 +19,8 @@ _HASH = 2_654_435_761
 @dataclass(frozen=True)
 class Workload:
     """One lookup problem. kind: "bag" (pooled), "embedding" (plain gather) or "train" (forward,
-    backward and optimizer update of `tables` tables, sum pooling).
+    backward and optimizer update of `tables` tables, sum pooling) or "backward" (forward and
+    backward to a dense weight gradient).
 
     dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table) or
     "hotset" (a fraction `alpha` of accesses to 1/1000 of the rows). layout: "fixed" (2-D ids,
@@ -120,5 +121,8 @@ def workloads(quick: bool = False) -> list[Workload]:
                             "powerlaw", 1.05, tables=26, group="train"))
         out.append(Workload("train 8 x 10M x 64, B65536 L32 uniform", "train", 10_000_000, 64, 65536, 32,
                             tables=8, group="train"))
+        for dist, alpha in (("uniform", 0.0), ("powerlaw", 1.05)):
+            out.append(Workload(f"backward 1M x 128, B16384 L64 {dist}{alpha or ''}", "backward", 1_000_000, 128,
+                                16384, 64, dist, alpha, group="backward"))
     out.append(Workload("latency D64 B512 L8", "bag", 100_000, 64, 512, 8, group="latency"))
     return out

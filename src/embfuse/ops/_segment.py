@@ -4,9 +4,12 @@
                         scale[p] * grad_out[src_row[p], :]
 
 with c_r = 1 / count_r under scale_grad_by_freq, else 1, and no gradient for padding_idx.
-The ids are sorted stably once; one program owns one run of equal ids (it starts at the run's
-first position) and sums it in chunks, in a fixed order: bitwise the same result every call,
-no atomics. Rows no id touches keep what the output held (zeros for a dense gradient).
+The ids are sorted stably once. A run of equal ids is cut into pieces of at most PIECE
+positions; phase 1 gives each piece to one program, which sums it in a fixed order. A run of
+one piece is finished there; a longer run (a hot row of a power-law batch) leaves its pieces'
+sums in a small buffer, and in phase 2 the program at the run's head adds them in order. So hot
+rows spread over many programs, and the result is bitwise the same every call, without atomics.
+Rows no id touches keep what the output held (zeros for a dense gradient).
 """
 
 from __future__ import annotations
@@ -38,61 +41,103 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     return grad.to(out_dtype)
 
 
-@triton.jit
-def run_sum(sorted_ids, perm, src, src_row, scale, n, j, row, cols, cmask, stride_src,
-            HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum of the (scaled) source rows of the run of `row` that starts at sorted position j, in
-    chunks of BLOCK_K positions in a fixed order; returns (fp32 sum, run length)."""
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    count = tl.zeros([], dtype=tl.int32)
-    k = j
-    more = True
-    while more:
-        p = k + tl.arange(0, BLOCK_K)
-        m = p < n
-        m = m & (tl.load(sorted_ids + p, mask=m, other=-1) == row)
-        orig = tl.load(perm + p, mask=m, other=0)
-        if HAS_SRC_ROW:
-            srow = tl.load(src_row + orig, mask=m, other=0).to(tl.int64)
-        else:
-            srow = orig
-        g = tl.load(src + srow[:, None] * stride_src + cols[None, :], mask=m[:, None] & cmask[None, :], other=0.0)
-        g = g.to(tl.float32)
-        if HAS_SCALE:
-            g = g * tl.load(scale + orig, mask=m, other=0.0).to(tl.float32)[:, None]
-        acc += tl.sum(g, axis=0)
-        c = tl.sum(m.to(tl.int32))
-        count += c
-        k += BLOCK_K
-        more = c == BLOCK_K
-    return acc, count
+class Runs:
+    """The sorted batch, cut into runs and pieces (device tensors; made without a host sync).
+
+    src_row and scale come permuted into sorted order, so a program reads them contiguously.
+    slot[j]: where the piece starting at sorted position j keeps its partial sum, if its run is
+    long; n_slots bounds how many such pieces there can be."""
+
+    def __init__(self, ids, src_row, scale, block_d: int):
+        n = ids.numel()
+        self.block_d = block_d
+        self.block_k = chunk_rows(block_d)
+        self.piece = piece = PIECE_CHUNKS * self.block_k
+        self.sorted_ids, perm = torch.sort(ids.long(), stable=True)
+        self.src_row = perm if src_row is None else src_row[perm].long()
+        self.scale = None if scale is None else scale[perm].contiguous()
+        pos = torch.arange(n, device=ids.device)
+        head = torch.ones(n, dtype=torch.bool, device=ids.device)
+        head[1:] = self.sorted_ids[1:] != self.sorted_ids[:-1]
+        self.run_start = torch.where(head, pos, 0).cummax(0).values
+        nxt = torch.cat([torch.where(head, pos, n)[1:], pos.new_full((1,), n)])
+        self.run_end = nxt.flip(0).cummin(0).values.flip(0)
+        long_piece = ((pos - self.run_start) % piece == 0) & (self.run_end - self.run_start > piece)
+        self.slot = long_piece.long().cumsum(0) - 1
+        self.n_slots = 2 * (n // piece) + 2  # a run longer than a piece has at most 2 x length / piece
+        self.n = n
 
 
 @triton.jit
-def run_head(sorted_ids, j, padding_idx):
-    """(row, whether program j owns it): the first position of a run of a real, non-padding
-    row. Negative ids mark "no row" (e.g. empty max bags, positions outside every bag)."""
+def run_gradient(PHASE: tl.constexpr, sorted_ids, src_row, scale, run_start, run_end, slot, partial, src,
+                 j, cols, cmask, stride_src, padding_idx, D,
+                 HAS_SCALE: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For program j: (row, fp32 gradient sum, run length, whether this program finishes the row).
+
+    Phase 1: a piece head sums its piece; a one-piece run is finished, a longer one stores the
+    piece sum at partial[slot[j]]. Phase 2: the head of a long run adds its pieces in order."""
     row = tl.load(sorted_ids + j)
-    prev = tl.load(sorted_ids + j - 1, mask=j > 0, other=-1)
-    return row, (prev != row) & (row >= 0) & (row != padding_idx)
+    start = tl.load(run_start + j)
+    end = tl.load(run_end + j)
+    length = end - start
+    real = (row >= 0) & (row != padding_idx)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    done = tl.zeros([], dtype=tl.int32)
+    if PHASE == 1:
+        if real & ((j - start) % PIECE == 0):
+            stop = tl.minimum(j + PIECE, end)
+            for k in range(j, stop, BLOCK_K):
+                p = k + tl.arange(0, BLOCK_K)
+                m = p < stop
+                srow = tl.load(src_row + p, mask=m, other=0)
+                g = tl.load(src + srow[:, None] * stride_src + cols[None, :], mask=m[:, None] & cmask[None, :],
+                            other=0.0).to(tl.float32)
+                if HAS_SCALE:
+                    g = g * tl.load(scale + p, mask=m, other=0.0).to(tl.float32)[:, None]
+                acc += tl.sum(g, axis=0)
+            if length > PIECE:
+                tl.store(partial + tl.load(slot + j) * D + cols, acc, mask=cmask)
+            else:
+                done = 1
+    else:
+        if real & (j == start) & (length > PIECE):
+            first = tl.load(slot + j)
+            for q in range(0, (length + PIECE - 1) // PIECE):
+                acc += tl.load(partial + (first + q) * D + cols, mask=cmask, other=0.0)
+            done = 1
+    return row, acc, length, done
 
 
 @triton.jit
 def _segment_grad_kernel(
-    sorted_ids, perm, src, src_row, scale, grad, n, D, stride_src, stride_grad, padding_idx,
-    HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, grad, D, stride_src, stride_grad,
+    padding_idx, PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
+    PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
-    row, owner = run_head(sorted_ids, j, padding_idx)
-    if owner:
-        acc, count = run_sum(sorted_ids, perm, src, src_row, scale, n, j, row, cols, cmask, stride_src,
-                             HAS_SRC_ROW, HAS_SCALE, BLOCK_K, BLOCK_D)
+    row, acc, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
+                                          src, j, cols, cmask, stride_src, padding_idx, D,
+                                          HAS_SCALE, PIECE, BLOCK_K, BLOCK_D)
+    if done != 0:
         if SCALE_BY_FREQ:
-            acc = acc / count.to(tl.float32)
+            acc = acc / length.to(tl.float32)
         tl.store(grad + row * stride_grad + cols, acc.to(grad.dtype.element_ty), mask=cmask)
+
+
+def launch_runs(kernel, runs: Runs, D: int, *args, **constexprs):
+    """Both phases of a run reduction; `args` follow the kernel's shared leading arguments."""
+    partial = torch.empty(runs.n_slots, D, dtype=torch.float32, device=runs.sorted_ids.device)
+    for phase in (1, 2):
+        launch(kernel)[(runs.n, triton.cdiv(D, runs.block_d))](
+            runs.sorted_ids, runs.src_row, runs.scale if runs.scale is not None else partial, runs.run_start,
+            runs.run_end, runs.slot, partial, *args, PHASE=phase, HAS_SCALE=runs.scale is not None,
+            PIECE=runs.piece, BLOCK_K=runs.block_k, BLOCK_D=runs.block_d, **constexprs,
+        )
+
+
+PIECE_CHUNKS = 8  # a piece is 8 chunk-steps of one program
 
 
 def chunk_rows(block_d: int) -> int:
@@ -106,16 +151,8 @@ def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     grad = torch.zeros(num_rows, D, dtype=out_dtype, device=src.device)
     if n == 0 or D == 0:
         return grad
-    sorted_ids, perm = torch.sort(ids.long(), stable=True)
-    block_d = min(next_pow2(D), 256)
-    block_k = chunk_rows(block_d)
+    runs = Runs(ids, src_row, scale, block_d=min(next_pow2(D), 128))
     src = src.contiguous()
-    launch(_segment_grad_kernel)[(n, triton.cdiv(D, block_d))](
-        sorted_ids, perm, src,
-        src_row if src_row is not None else perm,
-        scale if scale is not None else src,
-        grad, n, D, src.stride(0), grad.stride(0), padding_idx,
-        HAS_SRC_ROW=src_row is not None, HAS_SCALE=scale is not None, SCALE_BY_FREQ=scale_by_freq,
-        BLOCK_K=block_k, BLOCK_D=block_d,
-    )
+    launch_runs(_segment_grad_kernel, runs, D, src, grad, D, src.stride(0), grad.stride(0), padding_idx,
+                SCALE_BY_FREQ=scale_by_freq)
     return grad

@@ -1,16 +1,17 @@
 """Backward fused with the optimizer: the gradient never materialises as a dense table.
 
-The ids are sorted stably; the program that owns a run of equal ids (ops/_segment.py) sums the
-run's gradient rows in a fixed order, then reads the row's weight and state, applies the rule
-and writes them back. One program per touched row: in-place, deterministic, no atomics.
+The ids are sorted stably and each run of equal ids reduced in a fixed order (ops/_segment.py:
+hot rows in pieces, then the pieces in order); the program that finishes a row's gradient reads
+the row's weight and state, applies the rule and writes them back. In place, deterministic, no
+atomics.
 """
 
 from __future__ import annotations
 
 import torch
 
-from embfuse._triton import launch, next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import chunk_rows, run_head, run_sum
+from embfuse._triton import next_pow2, tl, triton, use_kernels
+from embfuse.ops._segment import Runs, launch_runs, run_gradient
 from embfuse.optim.rules import ROWWISE_ADAGRAD_KIND
 
 
@@ -34,18 +35,18 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 
 @triton.jit
 def _fused_update_kernel(
-    sorted_ids, perm, src, src_row, scale, weight, state1, state2, n, D, stride_src, stride_w, padding_idx,
-    lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-    KIND: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, weight, state1, state2, D, stride_src,
+    stride_w, padding_idx, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+    PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr,
+    PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
-    row, owner = run_head(sorted_ids, j, padding_idx)
-    if owner:
-        g, count = run_sum(sorted_ids, perm, src, src_row, scale, n, j, row, cols, cmask, stride_src,
-                           HAS_SRC_ROW, HAS_SCALE, BLOCK_K, BLOCK_D)
+    row, g, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
+                                        src, j, cols, cmask, stride_src, padding_idx, D,
+                                        HAS_SCALE, PIECE, BLOCK_K, BLOCK_D)
+    if done != 0:
         w_ptr = weight + row * stride_w + cols
         w = tl.load(w_ptr, mask=cmask, other=0.0).to(tl.float32)
         g = g + weight_decay * w
@@ -88,16 +89,10 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
     n, D = ids.numel(), weight.shape[1]
     if n == 0 or D == 0:
         return None
-    sorted_ids, perm = torch.sort(ids.long(), stable=True)
     whole_row = optimizer.kind == ROWWISE_ADAGRAD_KIND
-    block_d = next_pow2(D) if whole_row else min(next_pow2(D), 256)
+    runs = Runs(ids, src_row, scale, block_d=next_pow2(D) if whole_row else min(next_pow2(D), 128))
     states = list(state.values()) + [weight] * (2 - len(state))  # unused pointers: any tensor
     src = src.contiguous()
-    launch(_fused_update_kernel)[(n, triton.cdiv(D, block_d))](
-        sorted_ids, perm, src, src_row if src_row is not None else perm, scale if scale is not None else src,
-        weight, states[0], states[1], n, D, src.stride(0), weight.stride(0), padding_idx,
-        *optimizer.scalars(step),
-        KIND=optimizer.kind, HAS_SRC_ROW=src_row is not None, HAS_SCALE=scale is not None,
-        BLOCK_K=chunk_rows(block_d), BLOCK_D=block_d,
-    )
+    launch_runs(_fused_update_kernel, runs, D, src, weight, states[0], states[1], D, src.stride(0),
+                weight.stride(0), padding_idx, *optimizer.scalars(step), KIND=optimizer.kind)
     return None
