@@ -7,7 +7,8 @@ with c_r = 1 / count_r under scale_grad_by_freq, else 1, and no gradient for pad
 The ids are sorted stably once. A run of equal ids is cut into pieces of at most PIECE
 positions; phase 1 gives each piece to one program, which sums it in a fixed order. A run of
 one piece is finished there; a longer run (a hot row of a power-law batch) leaves its pieces'
-sums in a small buffer, and in phase 2 the program at the run's head adds them in order. So hot
+sums in a small buffer, and in phase 2 the program at the run's head adds them in order. There
+is a program per sorted position (most return at once), so nothing is read back to the host. So hot
 rows spread over many programs, and the result is bitwise the same every call, without atomics.
 Rows no id touches keep what the output held (zeros for a dense gradient).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from embfuse._triton import launch, next_pow2, tl, tracing, triton
+from embfuse._triton import launch, next_pow2, tl, triton
 
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
@@ -42,7 +43,7 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 
 
 class Runs:
-    """The sorted batch, cut into runs and pieces (device tensors).
+    """The sorted batch, cut into runs and pieces (device tensors, made without a host read).
 
     src_row and scale come permuted into sorted order, so a program reads them contiguously.
     slot[j]: where the piece starting at sorted position j keeps its partial sum, if its run is
@@ -59,36 +60,20 @@ class Runs:
         pos = torch.arange(n, device=ids.device)
         head = torch.ones(n, dtype=torch.bool, device=ids.device)
         head[1:] = self.sorted_ids[1:] != self.sorted_ids[:-1]
-        # Launch only the programs that have work: piece heads (phase 1), heads of long runs
-        # (phase 2). Listing them costs device-to-host reads, as torch's own backward does; a
-        # program per position instead (2 x n, mostly idle) is the fallback under tracing or
-        # CUDA-graph capture, where no read is allowed, and finds run bounds with cummax/cummin
-        # (2.9 ms each for 1M ids on an H100, measured: 80% of that backward).
-        if tracing() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.run_start = torch.where(head, pos, 0).cummax(0).values
-            nxt = torch.cat([torch.where(head, pos, n)[1:], pos.new_full((1,), n)])
-            self.run_end = nxt.flip(0).cummin(0).values.flip(0)
-            self.heads = (None, None)
-        else:
-            first = torch.nonzero(head).flatten()
-            run = head.long().cumsum(0) - 1
-            last = torch.cat([first[1:], first.new_full((1,), n)])
-            self.run_start, self.run_end = first[run], last[run]
-            offset = pos - self.run_start
-            self.heads = (torch.nonzero(offset % piece == 0).flatten(), first[last - first > piece])
+        # Run bounds without a host read (so the backward also runs in CUDA graphs): number the
+        # runs by a cumsum of the heads, scatter each head's position to its run's slot, read the
+        # next slot for the end. (torch's cummax/cummin did this in 2.9 ms each for 1M ids on an
+        # H100, 80% of that backward; listing only the busy programs, with host reads, gained
+        # nothing measurable over a program per position.)
+        run = head.long().cumsum(0) - 1
+        first = torch.full((n + 1,), n, dtype=torch.long, device=ids.device)
+        first.scatter_(0, torch.where(head, run, n), pos)  # non-heads all land in the spare slot n
+        first[n] = n
+        self.run_start, self.run_end = first[run], first[run + 1]
         long_piece = ((pos - self.run_start) % piece == 0) & (self.run_end - self.run_start > piece)
         self.slot = long_piece.long().cumsum(0) - 1
         self.n_slots = 2 * (n // piece) + 2  # a run longer than a piece has at most 2 x length / piece
         self.n = n
-
-
-@triton.jit
-def program_position(heads, HAS_HEADS: tl.constexpr):
-    """The sorted position this program starts at: listed in `heads`, or its own index."""
-    pid = tl.program_id(0).to(tl.int64)
-    if HAS_HEADS:
-        return tl.load(heads + pid)
-    return pid
 
 
 @triton.jit
@@ -133,11 +118,11 @@ def run_gradient(PHASE: tl.constexpr, sorted_ids, src_row, scale, run_start, run
 
 @triton.jit
 def _segment_grad_kernel(
-    sorted_ids, src_row, scale, run_start, run_end, slot, partial, heads, src, grad, D, stride_src, stride_grad,
-    padding_idx, PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_HEADS: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
+    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, grad, D, stride_src, stride_grad,
+    padding_idx, PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
     PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    j = program_position(heads, HAS_HEADS)
+    j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     row, acc, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
@@ -152,15 +137,11 @@ def _segment_grad_kernel(
 def launch_runs(kernel, runs: Runs, D: int, *args, **constexprs):
     """Both phases of a run reduction; `args` follow the kernel's shared leading arguments."""
     partial = torch.empty(runs.n_slots, D, dtype=torch.float32, device=runs.sorted_ids.device)
-    for phase, heads in zip((1, 2), runs.heads):
-        programs = runs.n if heads is None else heads.numel()
-        if programs == 0:
-            continue
-        launch(kernel)[(programs, triton.cdiv(D, runs.block_d))](
+    for phase in (1, 2):
+        launch(kernel)[(runs.n, triton.cdiv(D, runs.block_d))](
             runs.sorted_ids, runs.src_row, runs.scale if runs.scale is not None else partial, runs.run_start,
-            runs.run_end, runs.slot, partial, heads if heads is not None else runs.slot, *args, PHASE=phase,
-            HAS_SCALE=runs.scale is not None, HAS_HEADS=heads is not None, PIECE=runs.piece, BLOCK_K=runs.block_k,
-            BLOCK_D=runs.block_d, **constexprs,
+            runs.run_end, runs.slot, partial, *args, PHASE=phase, HAS_SCALE=runs.scale is not None,
+            PIECE=runs.piece, BLOCK_K=runs.block_k, BLOCK_D=runs.block_d, **constexprs,
         )
 
 

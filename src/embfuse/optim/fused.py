@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import Runs, launch_runs, program_position, run_gradient
+from embfuse.ops._segment import Runs, launch_runs, run_gradient
 from embfuse.optim.rules import ROWWISE_ADAGRAD_KIND
 
 
@@ -35,12 +35,12 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 
 @triton.jit
 def _fused_update_kernel(
-    sorted_ids, src_row, scale, run_start, run_end, slot, partial, heads, src, weight, state1, state2, D,
+    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, weight, state1, state2, D,
     stride_src, stride_w, padding_idx, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-    PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_HEADS: tl.constexpr, KIND: tl.constexpr,
+    PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr,
     PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    j = program_position(heads, HAS_HEADS)
+    j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     row, g, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
