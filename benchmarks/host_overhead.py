@@ -6,24 +6,19 @@ launcher and of the public function, then a profile of the public function.
 
 import cProfile
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import embfuse
+from embfuse.bench.runner import _host_us
 from embfuse.ops.embedding_bag import SUM, embedding_bag_forward
 
 
 def per_call_us(fn, calls=2000):
-    for _ in range(20):
+    for _ in range(20):  # warm-up: compile and cache outside the timing
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return _host_us(fn, calls)
 
 
 w = torch.randn(100_000, 64, device="cuda")
