@@ -77,9 +77,11 @@ def test_opcheck_and_compile(device):
 
 @requires_kernels
 @pytest.mark.parametrize("freq", [False, True])
-def test_backward_hot_row_longer_than_a_piece(freq):
-    """A row seen thousands of times is summed in pieces by many programs, then in order."""
-    n, D = 1200, 3  # D=3: a piece is 512 positions, so the hot row spans 2 pieces
+@pytest.mark.parametrize("D", [3, 129])
+def test_backward_hot_row_spanning_tiles(freq, D):
+    """A row seen hundreds of times spans several tiles (D=3: 1024 positions a tile, 2 tiles;
+    D=129: 16 a tile, 57 tiles, more than one step of the cross-tile sum)."""
+    n = 1200
     ids = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
     ids[: n * 3 // 4] = 9
     ids = ids[torch.randperm(n, device=KERNEL_DEVICE)]

@@ -1,27 +1,33 @@
 """Deterministic gradient reduction by row, shared by the backward of every lookup op.
 
-    grad_weight[r, :] = c_r * sum over positions p with ids[p] == r (in input order) of
-                        scale[p] * grad_out[src_row[p], :]
+    grad[r, :] = c_r * sum over positions p with key[p] == r of scale[p] * src[source of p, :]
 
-with c_r = 1 / count_r under scale_grad_by_freq, else 1, and no gradient for padding_idx.
-The ids are sorted stably once. A run of equal ids is cut into pieces of at most PIECE
-positions; phase 1 gives each piece to one program, which sums it in a fixed order. A run of
-one piece is finished there; a longer run (a hot row of a power-law batch) leaves its pieces'
-sums in a small buffer, and in phase 2 the program at the run's head adds them in order. There
-is a program per sorted position (most return at once), so nothing is read back to the host. So hot
-rows spread over many programs, and the result is bitwise the same every call, without atomics.
-Rows no id touches keep what the output held (zeros for a dense gradient).
+with c_r = 1 / count_r under scale_grad_by_freq, else 1; key -1 means "no row" (padding, a
+skipped id). Rows live in a `Layout`: one or many tables of any widths packed in one flat buffer
+(a single table is the case T = 1), so one launch serves a whole table collection.
+
+The keys are sorted once. Phase 1 gives each program a tile of BLOCK_K consecutive sorted
+positions: it gathers their gradient rows as one 2-D tile (all loads in flight) and sums runs of
+equal keys by multiplying the tile with the 0/1 matrix of equal keys. A run that starts and ends in the tile is finished there; the
+partial sums of runs that cross a tile edge go to small per-tile buffers, and in phase 2 the tile
+where such a run starts adds them in tile order. Fixed orders throughout: bitwise the same result
+every call, no atomics, and nothing read back to the host (so the backward runs in CUDA graphs).
+Rows no key touches keep what the output held (zeros for a dense gradient).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from embfuse._triton import launch, next_pow2, tl, triton
 
+_NO_TABLE = 2**62  # pads the table starts so that the in-kernel table search never picks a pad
+
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
-    """Pure-torch version (CPU path and test oracle); float64 in, float64 out."""
+    """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     rows = src.to(acc_dtype)
     if src_row is not None:
@@ -42,125 +48,187 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     return grad.to(out_dtype)
 
 
-class Runs:
-    """The sorted batch, cut into runs and pieces (device tensors, made without a host read).
+class Layout:
+    """Where the rows of T tables live in one flat buffer: table t holds rows
+    row_start[t] .. row_start[t+1]-1 (global row numbers, the sort keys) of width dims[t],
+    starting at element elem_start[t]. Device tensors, padded to a power of two for the kernel."""
 
-    src_row and scale come permuted into sorted order, so a program reads them contiguously.
-    slot[j]: where the piece starting at sorted position j keeps its partial sum, if its run is
-    long; n_slots bounds how many such pieces there can be."""
+    def __init__(self, rows, dims, device):
+        T = len(rows)
+        self.t_block = next_pow2(T)
+        row_start = [sum(rows[:t]) for t in range(T)]
+        elem_start = [sum(r * d for r, d in zip(rows[:t], dims[:t])) for t in range(T)]
+        pad = self.t_block - T
+        self.row_start = torch.tensor(row_start + [_NO_TABLE] * pad, dtype=torch.int64, device=device)
+        self.dims = torch.tensor(list(dims) + [0] * pad, dtype=torch.int64, device=device)
+        self.elem_start = torch.tensor(elem_start + [0] * pad, dtype=torch.int64, device=device)
+        self.max_dim = max(dims, default=0)
+        self.num_rows = sum(rows)
 
-    def __init__(self, ids, src_row, scale, block_d: int):
-        n = ids.numel()
-        self.block_d = block_d
-        self.block_k = chunk_rows(block_d)
-        self.piece = piece = PIECE_CHUNKS * self.block_k
-        self.sorted_ids, perm = torch.sort(ids.long(), stable=True)
-        self.src_row = perm if src_row is None else src_row[perm].long()
-        self.scale = None if scale is None else scale[perm].contiguous()
-        pos = torch.arange(n, device=ids.device)
-        head = torch.ones(n, dtype=torch.bool, device=ids.device)
-        head[1:] = self.sorted_ids[1:] != self.sorted_ids[:-1]
-        # Run bounds without a host read (so the backward also runs in CUDA graphs): number the
-        # runs by a cumsum of the heads, scatter each head's position to its run's slot, read the
-        # next slot for the end. (torch's cummax/cummin did this in 2.9 ms each for 1M ids on an
-        # H100, 80% of that backward; listing only the busy programs, with host reads, gained
-        # nothing measurable over a program per position.)
-        run = head.long().cumsum(0) - 1
-        first = torch.full((n + 1,), n, dtype=torch.long, device=ids.device)
-        first.scatter_(0, torch.where(head, run, n), pos)  # non-heads all land in the spare slot n
-        first[n] = n
-        self.run_start, self.run_end = first[run], first[run + 1]
-        long_piece = ((pos - self.run_start) % piece == 0) & (self.run_end - self.run_start > piece)
-        self.slot = long_piece.long().cumsum(0) - 1
-        self.n_slots = 2 * (n // piece) + 2  # a run longer than a piece has at most 2 x length / piece
-        self.n = n
+
+@functools.lru_cache(maxsize=128)
+def single_table(num_rows: int, dim: int, device) -> Layout:
+    return Layout([num_rows], [dim], device)
+
+
+def tile_rows(block_d: int) -> int:
+    """Sorted positions per phase-1 program: 16 to 32 (tl.dot needs 16; the equal-keys product
+    costs BLOCK_K multiply-adds per gathered element, so no more)."""
+    return max(16, min(32, 2048 // block_d))
+
+
+class Segments:
+    """The sorted keys and the per-tile buffers of one reduction (device tensors, no host read).
+
+    keys[p]: global row of position p or -1. Position p's gradient row starts at element
+    (g % src_bags) * src_stride + src_col[g // src_bags] of src, g = src_row[p] (or p): the
+    bag (feature-major over src_bags samples) whose output p fed."""
+
+    def __init__(self, keys, layout: Layout, src, src_row=None, scale=None, src_stride=None, src_bags=None,
+                 src_col=None):
+        n = keys.numel()
+        self.layout = layout
+        self.block_d = max(16, next_pow2(layout.max_dim))  # tl.dot needs 16
+        self.block_k = tile_rows(self.block_d)
+        self.n, self.tiles = n, triton.cdiv(n, self.block_k)
+        self.sorted_key, self.perm = torch.sort(keys.long(), stable=True)
+        self.src = src
+        self.src_row, self.scale = src_row, scale
+        self.src_stride = src.stride(0) if src_stride is None else src_stride
+        self.src_bags = 2**62 if src_bags is None else src_bags
+        self.src_col = layout.elem_start[:1] if src_col is None else src_col  # a zero when one table
+        dev = keys.device
+        self.head = torch.empty(self.tiles, self.block_d, dtype=torch.float32, device=dev)
+        self.tail = torch.empty(self.tiles, self.block_d, dtype=torch.float32, device=dev)
+        self.counts = torch.empty(2, self.tiles, dtype=torch.int32, device=dev)
+
+    def launch(self, kernel, *args, count=False, **constexprs):
+        """Both phases; `args` follow the kernel's shared leading arguments."""
+        L = self.layout
+        for phase in (1, 2):
+            launch(kernel)[(self.tiles,)](
+                self.sorted_key, self.perm, self.src_row if self.src_row is not None else self.perm,
+                self.scale if self.scale is not None else self.head, self.head, self.tail, self.counts,
+                self.n, self.tiles, self.src, self.src_stride, self.src_bags, self.src_col,
+                L.row_start, L.dims, L.elem_start, *args,
+                PHASE=phase, HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None, COUNT=count,
+                T_BLOCK=L.t_block, BLOCK_K=self.block_k, BLOCK_D=self.block_d, **constexprs,
+            )
 
 
 @triton.jit
-def run_gradient(PHASE: tl.constexpr, sorted_ids, src_row, scale, run_start, run_end, slot, partial, src,
-                 j, cols, cmask, stride_src, padding_idx, D,
-                 HAS_SCALE: tl.constexpr, PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """For program j: (row, fp32 gradient sum, run length, whether this program finishes the row).
+def _rows_of(key, row_start, dims, elem_start, T_BLOCK: tl.constexpr):
+    """Width and first element of each global row in `key` (any shape [R])."""
+    starts = tl.load(row_start + tl.arange(0, T_BLOCK))
+    t = tl.maximum(tl.sum((starts[None, :] <= key[:, None]).to(tl.int32), axis=1) - 1, 0)
+    D = tl.load(dims + t)
+    return D, tl.load(elem_start + t) + (key - tl.load(row_start + t)) * D
 
-    Phase 1: a piece head sums its piece; a one-piece run is finished, a longer one stores the
-    piece sum at partial[slot[j]]. Phase 2: the head of a long run adds its pieces in order."""
-    row = tl.load(sorted_ids + j)
-    start = tl.load(run_start + j)
-    end = tl.load(run_end + j)
-    length = end - start
-    real = (row >= 0) & (row != padding_idx)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    done = tl.zeros([], dtype=tl.int32)
+
+@triton.jit
+def segment_rows(PHASE: tl.constexpr, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles,
+                 src, src_stride, src_bags, src_col, row_start, dims, elem_start,
+                 HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
+                 T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For this program: (key [R], width [R], first element [R], fp32 sums [R, BLOCK_D], run
+    lengths [R], mask of the rows this program finishes [R]); R = BLOCK_K in phase 1, 1 in 2."""
+    tile = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    first = tile * BLOCK_K
+    last = tl.minimum(first + BLOCK_K, n) - 1
+    prev = tl.load(sorted_key + first - 1, mask=tile > 0, other=-2)
     if PHASE == 1:
-        if real & ((j - start) % PIECE == 0):
-            stop = tl.minimum(j + PIECE, end)
-            for k in range(j, stop, BLOCK_K):
-                p = k + tl.arange(0, BLOCK_K)
-                m = p < stop
-                srow = tl.load(src_row + p, mask=m, other=0)
-                g = tl.load(src + srow[:, None] * stride_src + cols[None, :], mask=m[:, None] & cmask[None, :],
-                            other=0.0).to(tl.float32)
-                if HAS_SCALE:
-                    g = g * tl.load(scale + p, mask=m, other=0.0).to(tl.float32)[:, None]
-                acc += tl.sum(g, axis=0)
-            if length > PIECE:
-                tl.store(partial + tl.load(slot + j) * D + cols, acc, mask=cmask)
-            else:
-                done = 1
+        j = first + tl.arange(0, BLOCK_K)
+        inside = j < n
+        key = tl.load(sorted_key + j, mask=inside, other=-1)
+        real = inside & (key >= 0)
+        p = tl.load(perm + j, mask=real, other=0)
+        D, base = _rows_of(key, row_start, dims, elem_start, T_BLOCK)
+        if HAS_SRC_ROW:
+            g = tl.load(src_row + p, mask=real, other=0).to(tl.int64)
+        else:
+            g = p
+        f = g // src_bags
+        s0 = (g - f * src_bags) * src_stride + tl.load(src_col + f, mask=real, other=0)
+        m2 = real[:, None] & (cols[None, :] < D[:, None])
+        x = tl.load(src + s0[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            x = x * tl.load(scale + p, mask=real, other=0.0).to(tl.float32)[:, None]
+        # each row's run total within the tile: a 0/1 matrix of equal keys times the tile, in
+        # exact fp32 (ieee: no tf32 rounding) and in a fixed order
+        same = key[:, None] == key[None, :]
+        acc = tl.dot(same.to(tl.float32), x, input_precision="ieee")
+        cnt = tl.sum((same & real[None, :]).to(tl.int32), axis=1)
+        nxt = tl.load(sorted_key + j + 1, mask=j + 1 < n, other=-2)
+        ends = inside & (nxt != key)
+        # partial sums of the runs crossing the tile's edges: the first run's if it began
+        # before this tile, the last run's if it goes on after it
+        head_row = (j == first) & (key == prev)
+        tail_row = (j == last) & ~ends
+        at = tile * BLOCK_D + cols[None, :] + 0 * j[:, None]
+        tl.store(head + at, acc, mask=head_row[:, None])
+        tl.store(tail + at, acc, mask=tail_row[:, None])
+        if COUNT:
+            tl.store(counts + tile + 0 * j, cnt, mask=head_row)
+            tl.store(counts + tiles + tile + 0 * j, cnt, mask=tail_row)
+        done = real & ends & (key != prev)
     else:
-        if real & (j == start) & (length > PIECE):
-            first = tl.load(slot + j)
-            for q in range(0, (length + PIECE - 1) // PIECE):
-                acc += tl.load(partial + (first + q) * D + cols, mask=cmask, other=0.0)
-            done = 1
-    return row, acc, length, done
+        # the tile where a crossing run starts adds the pieces the later tiles left, in order
+        k = tl.load(sorted_key + last)
+        nxt = tl.load(sorted_key + last + 1, mask=last + 1 < n, other=-2)
+        todo = (nxt == k) & (k != prev) & (k >= 0)
+        acc1 = tl.where(todo, tl.load(tail + tile * BLOCK_D + cols), 0.0)  # (in bounds either way)
+        cnt1 = tl.where(todo, tl.load(counts + tiles + tile), 0)
+        q0 = tile + 1
+        more = todo
+        while more:
+            q = q0 + tl.arange(0, 16)
+            valid = (q < tiles) & (tl.load(sorted_key + q * BLOCK_K, mask=q < tiles, other=-2) == k)
+            acc1 += tl.sum(tl.load(head + q[:, None] * BLOCK_D + cols[None, :], mask=valid[:, None], other=0.0),
+                           axis=0)
+            if COUNT:
+                cnt1 += tl.sum(tl.load(counts + q, mask=valid, other=0), axis=0)
+            more = tl.sum(valid.to(tl.int32), axis=0) == 16
+            q0 += 16
+        key = tl.full([1], 0, tl.int64) + k
+        D, base = _rows_of(key, row_start, dims, elem_start, T_BLOCK)
+        acc = acc1[None, :]
+        cnt = tl.full([1], 0, tl.int32) + cnt1
+        done = tl.full([1], 0, tl.int1) | todo
+    return key, D, base, acc, cnt, done
 
 
 @triton.jit
 def _segment_grad_kernel(
-    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, grad, D, stride_src, stride_grad,
-    padding_idx, PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BY_FREQ: tl.constexpr,
-    PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
+    row_start, dims, elem_start, grad,
+    PHASE: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
+    T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    row, acc, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
-                                          src, j, cols, cmask, stride_src, padding_idx, D,
-                                          HAS_SCALE, PIECE, BLOCK_K, BLOCK_D)
-    if done != 0:
-        if SCALE_BY_FREQ:
-            acc = acc / length.to(tl.float32)
-        tl.store(grad + row * stride_grad + cols, acc.to(grad.dtype.element_ty), mask=cmask)
+    key, D, base, acc, cnt, done = segment_rows(
+        PHASE, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
+        row_start, dims, elem_start, HAS_SRC_ROW, HAS_SCALE, COUNT, T_BLOCK, BLOCK_K, BLOCK_D)
+    if COUNT:  # scale_grad_by_freq
+        acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    tl.store(grad + base[:, None] + cols[None, :], acc.to(grad.dtype.element_ty),
+             mask=done[:, None] & (cols[None, :] < D[:, None]))
 
 
-def launch_runs(kernel, runs: Runs, D: int, *args, **constexprs):
-    """Both phases of a run reduction; `args` follow the kernel's shared leading arguments."""
-    partial = torch.empty(runs.n_slots, D, dtype=torch.float32, device=runs.sorted_ids.device)
-    for phase in (1, 2):
-        launch(kernel)[(runs.n, triton.cdiv(D, runs.block_d))](
-            runs.sorted_ids, runs.src_row, runs.scale if runs.scale is not None else partial, runs.run_start,
-            runs.run_end, runs.slot, partial, *args, PHASE=phase, HAS_SCALE=runs.scale is not None,
-            PIECE=runs.piece, BLOCK_K=runs.block_k, BLOCK_D=runs.block_d, **constexprs,
-        )
-
-
-PIECE_CHUNKS = 8  # a piece is 8 chunk-steps of one program
-
-
-def chunk_rows(block_d: int) -> int:
-    """Positions summed per step of a run: about 4096 elements a step, at most 64 rows."""
-    return max(1, min(64, 4096 // block_d))
+def reduce_segments(keys, layout: Layout, src, out, scale_by_freq=False, **src_args):
+    """Write each touched row's gradient sum into the flat buffer `out` (laid out as `layout`)."""
+    if keys.numel() == 0 or layout.max_dim == 0:
+        return out
+    Segments(keys, layout, src, **src_args).launch(_segment_grad_kernel, out, count=scale_by_freq)
+    return out
 
 
 def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
     """Triton version of `segment_grad_reference` (same arguments); returns a dense gradient."""
-    n, D = ids.numel(), src.shape[1]
+    D = src.shape[1]
     grad = torch.zeros(num_rows, D, dtype=out_dtype, device=src.device)
-    if n == 0 or D == 0:
-        return grad
-    runs = Runs(ids, src_row, scale, block_d=min(next_pow2(D), 128))
-    src = src.contiguous()
-    launch_runs(_segment_grad_kernel, runs, D, src, grad, D, src.stride(0), grad.stride(0), padding_idx,
-                SCALE_BY_FREQ=scale_by_freq)
+    if padding_idx >= 0:
+        ids = torch.where(ids == padding_idx, -1, ids)
+    reduce_segments(ids, single_table(num_rows, D, src.device), src.contiguous(), grad, scale_by_freq,
+                    src_row=src_row, scale=scale)
     return grad

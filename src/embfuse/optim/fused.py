@@ -1,8 +1,8 @@
 """Backward fused with the optimizer: the gradient never materialises as a dense table.
 
-The ids are sorted stably and each run of equal ids reduced in a fixed order (ops/_segment.py:
-hot rows in pieces, then the pieces in order); the program that finishes a row's gradient reads
-the row's weight and state, applies the rule and writes them back. In place, deterministic, no
+The ids are sorted and each run of equal ids reduced in a fixed order (ops/_segment.py: tiles
+of sorted positions, then the runs that cross tiles); the program that finishes a row's gradient
+reads the row's weight and state, applies the rule and writes them back. In place, deterministic, no
 atomics.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from embfuse._triton import next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import Runs, launch_runs, run_gradient
-from embfuse.optim.rules import ROWWISE_ADAGRAD_KIND
+from embfuse._triton import tl, triton, use_kernels
+from embfuse.ops._segment import Layout, Segments, segment_rows, single_table
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -35,42 +34,47 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 
 @triton.jit
 def _fused_update_kernel(
-    sorted_ids, src_row, scale, run_start, run_end, slot, partial, src, weight, state1, state2, D,
-    stride_src, stride_w, padding_idx, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-    PHASE: tl.constexpr, HAS_SCALE: tl.constexpr, KIND: tl.constexpr,
-    PIECE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
+    row_start, dims, elem_start, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+    PHASE: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
+    T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    row, g, length, done = run_gradient(PHASE, sorted_ids, src_row, scale, run_start, run_end, slot, partial,
-                                        src, j, cols, cmask, stride_src, padding_idx, D,
-                                        HAS_SCALE, PIECE, BLOCK_K, BLOCK_D)
-    if done != 0:
-        w_ptr = weight + row * stride_w + cols
-        w = tl.load(w_ptr, mask=cmask, other=0.0).to(tl.float32)
-        g = g + weight_decay * w
-        if KIND == 0:  # SGD
-            w = w - lr * g
-        elif KIND == 1:  # Adagrad
-            s_ptr = state1 + row * D + cols
-            s = tl.load(s_ptr, mask=cmask, other=0.0) + g * g
-            tl.store(s_ptr, s, mask=cmask)
-            w = w - lr * g / (tl.sqrt(s) + eps)
-        elif KIND == 2:  # row-wise Adagrad: the whole row is in this program (BLOCK_D >= D)
-            s = tl.load(state1 + row) + tl.sum(g * g, axis=0) / D
-            tl.store(state1 + row, s)
-            w = w - lr * g / (tl.sqrt(s) + eps)
-        else:  # Adam; lr arrives divided by the first bias correction
-            m_ptr = state1 + row * D + cols
-            v_ptr = state2 + row * D + cols
-            m = tl.load(m_ptr, mask=cmask, other=0.0)
-            m = m + (1.0 - beta1) * (g - m)
-            v = tl.load(v_ptr, mask=cmask, other=0.0) * beta2 + (1.0 - beta2) * g * g
-            tl.store(m_ptr, m, mask=cmask)
-            tl.store(v_ptr, v, mask=cmask)
-            w = w - lr * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(w_ptr, w.to(weight.dtype.element_ty), mask=cmask)
+    key, D, base, g, cnt, done = segment_rows(
+        PHASE, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
+        row_start, dims, elem_start, HAS_SRC_ROW, HAS_SCALE, COUNT, T_BLOCK, BLOCK_K, BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)
+    m = done[:, None] & (cols[None, :] < D[:, None])
+    at = base[:, None] + cols[None, :]  # element-wise state shares the weights' layout
+    w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
+    g = g + weight_decay * w
+    if KIND == 0:  # SGD
+        w = w - lr * g
+    elif KIND == 1:  # Adagrad
+        s = tl.load(state1 + at, mask=m, other=0.0) + g * g
+        tl.store(state1 + at, s, mask=m)
+        w = w - lr * g / (tl.sqrt(s) + eps)
+    elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
+        s = tl.load(state1 + key, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+        tl.store(state1 + key, s, mask=done)
+        w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
+    else:  # Adam; lr arrives divided by the first bias correction
+        mo = tl.load(state1 + at, mask=m, other=0.0)
+        mo = mo + (1.0 - beta1) * (g - mo)
+        v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
+        tl.store(state1 + at, mo, mask=m)
+        tl.store(state2 + at, v, mask=m)
+        w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(weight + at, w.to(weight.dtype.element_ty), mask=m)
+
+
+def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
+    """Kernel form for any layout: `weight` and element-wise state are flat buffers laid out as
+    `layout`, row-wise state has one value per global row; keys are global rows or -1."""
+    if keys.numel() == 0 or layout.max_dim == 0:
+        return
+    states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
+    Segments(keys, layout, src, **src_args).launch(_fused_update_kernel, weight, states[0], states[1],
+                                                   *optimizer.scalars(step), KIND=optimizer.kind)
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
@@ -86,13 +90,10 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
         kernel = use_kernels(weight) and weight.dtype != torch.float64
     if not kernel:
         return apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx)
-    n, D = ids.numel(), weight.shape[1]
-    if n == 0 or D == 0:
-        return None
-    whole_row = optimizer.kind == ROWWISE_ADAGRAD_KIND
-    runs = Runs(ids, src_row, scale, block_d=next_pow2(D) if whole_row else min(next_pow2(D), 128))
-    states = list(state.values()) + [weight] * (2 - len(state))  # unused pointers: any tensor
-    src = src.contiguous()
-    launch_runs(_fused_update_kernel, runs, D, src, weight, states[0], states[1], D, src.stride(0),
-                weight.stride(0), padding_idx, *optimizer.scalars(step), KIND=optimizer.kind)
+    if not weight.is_contiguous():
+        raise ValueError("a fused optimizer updates the weight in place and needs it contiguous")
+    if padding_idx >= 0:
+        ids = torch.where(ids == padding_idx, -1, ids)
+    fused_update(weight, list(state.values()), optimizer, ids, single_table(*weight.shape, weight.device),
+                 src.contiguous(), step, src_row=src_row, scale=scale)
     return None
