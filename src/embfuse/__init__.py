@@ -5,7 +5,11 @@ is there, everything else runs the pure-torch references.
 """
 
 from embfuse.ops import embedding, embedding_bag, validate_bags
+from embfuse.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse import nn, optim
 
 __version__ = "0.1.0"
-__all__ = ["embedding", "embedding_bag", "validate_bags", "nn", "optim", "__version__"]
+__all__ = ["embedding", "embedding_bag", "validate_bags", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
+           "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim",
+           "__version__"]

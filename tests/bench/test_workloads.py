@@ -66,3 +66,22 @@ def test_dense_backward_steps_fill_gradients_on_cpu():
         step()
         grads.append(tables[0].grad)
     assert grads[0].abs().sum() > 0 and grads[0].shape == grads[1].shape
+
+
+def test_collection_batch_and_providers_on_cpu():
+    from embfuse.bench.collection import COLLECTION_PROVIDERS, count_bytes, make_batch, table_rows
+
+    w = Workload("c", "collection-train", 1000, 4, 8, 3, "powerlaw", 1.05, tables=5)
+    kjt = make_batch(w, "cpu")
+    assert int(kjt.lengths().min()) >= 1 and int(kjt.lengths().max()) <= 5
+    assert table_rows(w) == [1000, 583, 1000, 1000, 305]
+    for jt, rows in zip(kjt.to_dict().values(), table_rows(w)):
+        assert int(jt.values().max()) < rows
+    assert count_bytes(w, kjt)["ids"] == kjt.values().numel()
+    outs = []
+    for name in ("torch", "embfuse"):
+        forward, opt, move, _ = COLLECTION_PROVIDERS[name](w, kjt, "cpu", True)
+        out = forward(move(kjt))
+        assert out.shape == (8, 20)
+        out.sum().backward()
+        outs.append(out)

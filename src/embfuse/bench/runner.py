@@ -89,6 +89,10 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
         from embfuse.bench.train import measure_train
 
         return measure_train(w, device)
+    if w.kind in ("collection", "collection-train"):
+        from embfuse.bench.collection import measure_collection
+
+        return measure_collection(w, device)
 
     tables = [torch.randn(w.rows, w.dim, device=device).to(w.torch_dtype) for _ in range(w.tables)]
     ids, offsets = generate_batch(w, device)
@@ -157,10 +161,10 @@ def derive(rows: list[dict], bandwidth: float) -> None:
         r["rows_rate_GBps"] = r["rows_bytes"] / (r["us"] * 1e-6) / 1e9
     for group in by_workload.values():
         for r in group.values():
-            # "embfuse rowwise-adagrad" is compared with "fbgemm rowwise-adagrad" where there is one
-            suffix = r["provider"][len("embfuse"):] if r["provider"].startswith("embfuse") else ""
+            # "embfuse-ebc rowwise-adagrad" is compared with "fbgemm rowwise-adagrad" where there is one
+            suffix = r["provider"].partition(" ")[2]
             for peer in ("torch", "fbgemm"):
-                p = group.get(peer + suffix) or group.get(peer)
+                p = group.get(f"{peer} {suffix}") or group.get(peer)
                 if "us" in r and p is not None and "us" in p:
                     r[f"speedup_vs_{peer}"] = p["us"] / r["us"]
 

@@ -62,6 +62,21 @@ def _embfuse(optimizer):
     return make
 
 
+def _collection(optimizer):
+    """All tables in one embfuse.EmbeddingBagCollection, fed one keyed batch."""
+    def make(w, ids, device):
+        ebc = embfuse.EmbeddingBagCollection(
+            [embfuse.EmbeddingBagConfig(w.rows, w.dim, f"t{t}", feature_names=[f"f{t}"]) for t in range(len(ids))],
+            device=device, optimizer=optimizer, bounds_check="off")
+        kjt = embfuse.KeyedJaggedTensor(
+            [f"f{t}" for t in range(len(ids))], torch.cat([x.reshape(-1) for x in ids]),
+            lengths=torch.full((len(ids) * w.batch,), w.hotness, device=device),
+            length_per_key=[x.numel() for x in ids])
+        grad = torch.randn(w.batch, w.dim * len(ids), device=device)
+        return (lambda: ebc(kjt).values().backward(grad)), [ebc]
+    return make
+
+
 def _fbgemm(kind):
     def make(w, ids, device):
         try:
@@ -90,6 +105,8 @@ TRAIN_PROVIDERS = {
     "torch": torch_sparse_sgd,
     "embfuse": _embfuse(embfuse.optim.SGD(lr=0.01)),
     "embfuse rowwise-adagrad": _embfuse(embfuse.optim.RowWiseAdagrad(lr=0.01, eps=1e-8)),
+    "embfuse-ebc": _collection(embfuse.optim.SGD(lr=0.01)),
+    "embfuse-ebc rowwise-adagrad": _collection(embfuse.optim.RowWiseAdagrad(lr=0.01, eps=1e-8)),
     "fbgemm": _fbgemm("sgd"),
     "fbgemm rowwise-adagrad": _fbgemm("rowwise"),
 }

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-WORKLOADS_VERSION = 2
+WORKLOADS_VERSION = 3
 
 # a multiplier coprime with every table size used here: scatters power-law ranks over the table
 _HASH = 2_654_435_761
@@ -20,7 +20,8 @@ _HASH = 2_654_435_761
 class Workload:
     """One lookup problem. kind: "bag" (pooled), "embedding" (plain gather) or "train" (forward,
     backward and optimizer update of `tables` tables, sum pooling) or "backward" (forward and
-    backward to a dense weight gradient).
+    backward to a dense weight gradient); "collection" / "collection-train": a table collection
+    fed one keyed batch (bench/collection.py).
 
     dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table) or
     "hotset" (a fraction `alpha` of accesses to 1/1000 of the rows). layout: "fixed" (2-D ids,
@@ -124,5 +125,10 @@ def workloads(quick: bool = False) -> list[Workload]:
         for dist, alpha in (("uniform", 0.0), ("powerlaw", 1.05)):
             out.append(Workload(f"backward 1M x 128, B16384 L64 {dist}{alpha or ''}", "backward", 1_000_000, 128,
                                 16384, 64, dist, alpha, group="backward"))
+    # 26 tables with Criteo's row counts (capped at 10M), bag lengths 1..99, one keyed batch
+    for batch in (16384,) if quick else (16384, 65536):
+        for kind in ("collection", "collection-train"):
+            out.append(Workload(f"{kind} 26 criteo x 128, B{batch} L1-99 powerlaw1.05", kind, 10_000_000, 128, batch,
+                                50, "powerlaw", 1.05, tables=26, group="collection"))
     out.append(Workload("latency D64 B512 L8", "bag", 100_000, 64, 512, 8, group="latency"))
     return out

@@ -1,3 +1,5 @@
+from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.nn.modules import Embedding, EmbeddingBag
 
-__all__ = ["Embedding", "EmbeddingBag"]
+__all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingBagConfig",
+           "EmbeddingConfig"]

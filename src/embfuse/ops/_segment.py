@@ -53,22 +53,27 @@ class Layout:
     row_start[t] .. row_start[t+1]-1 (global row numbers, the sort keys) of width dims[t],
     starting at element elem_start[t]. Device tensors, padded to a power of two for the kernel."""
 
-    def __init__(self, rows, dims, device):
+    def __init__(self, row_start, dims, elem_start, max_dim: int):
+        self.row_start, self.dims, self.elem_start, self.max_dim = row_start, dims, elem_start, max_dim
+        self.t_block = row_start.numel()
+
+    @staticmethod
+    def build(rows, dims, device) -> "Layout":
         T = len(rows)
-        self.t_block = next_pow2(T)
+        pad = next_pow2(T) - T
         row_start = [sum(rows[:t]) for t in range(T)]
         elem_start = [sum(r * d for r, d in zip(rows[:t], dims[:t])) for t in range(T)]
-        pad = self.t_block - T
-        self.row_start = torch.tensor(row_start + [_NO_TABLE] * pad, dtype=torch.int64, device=device)
-        self.dims = torch.tensor(list(dims) + [0] * pad, dtype=torch.int64, device=device)
-        self.elem_start = torch.tensor(elem_start + [0] * pad, dtype=torch.int64, device=device)
-        self.max_dim = max(dims, default=0)
-        self.num_rows = sum(rows)
+
+        def tensor(xs):
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        return Layout(tensor(row_start + [_NO_TABLE] * pad), tensor(list(dims) + [0] * pad),
+                      tensor(elem_start + [0] * pad), max(dims, default=0))
 
 
 @functools.lru_cache(maxsize=128)
 def single_table(num_rows: int, dim: int, device) -> Layout:
-    return Layout([num_rows], [dim], device)
+    return Layout.build([num_rows], [dim], device)
 
 
 def tile_rows(block_d: int) -> int:

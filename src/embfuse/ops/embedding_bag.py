@@ -74,16 +74,10 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
 
 
 @triton.jit
-def _embedding_bag_fwd_kernel(
-    weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
-    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
-):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    start = tl.load(offsets + bag).to(tl.int64)
-    end = tl.load(offsets + bag + 1).to(tl.int64)
+def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
+             MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
+             BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """Pool rows ids[start:end] of `weight` over columns `cols`: (fp32 result, max ids)."""
     lane = tl.arange(0, BLOCK_L)
     # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
     # reduction per step would cross warps (shared memory + barrier) and stall the gathers
@@ -122,11 +116,29 @@ def _embedding_bag_fwd_kernel(
         first = tl.min(tl.where((acc == top[None, :]) & (best_pos >= 0), best_pos, 9223372036854775807), axis=0)
         best = tl.max(tl.where(best_pos == first[None, :], best_id, -1), axis=0)
         result = tl.where(best >= 0, top, 0.0)
-        tl.store(max_ids + bag * D + cols, best, mask=cmask)
     else:
+        best = tl.zeros([BLOCK_D], dtype=tl.int64)
         result = tl.sum(acc, axis=0)
         if MODE == 1:
             result = result / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
+    return result, best
+
+
+@triton.jit
+def _embedding_bag_fwd_kernel(
+    weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+):
+    bag = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    start = tl.load(offsets + bag).to(tl.int64)
+    end = tl.load(offsets + bag + 1).to(tl.int64)
+    result, best = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
+                            MODE, HAS_PSW, HAS_PADDING, BLOCK_L, BLOCK_D, EVICT)
+    if MODE == 2:
+        tl.store(max_ids + bag * D + cols, best, mask=cmask)
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 

@@ -12,6 +12,8 @@ import torch
 
 from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, segment_rows, single_table
+from embfuse.ops.collection import feature_slices, backward_inputs, table_view
+from embfuse.ops.embedding_bag import MEAN
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -97,3 +99,36 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
     fused_update(weight, list(state.values()), optimizer, ids, single_table(*weight.shape, weight.device),
                  src.contiguous(), step, src_row=src_row, scale=scale)
     return None
+
+
+def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None):
+    """A fused update of a table collection's flat `weights` (and flat `state`) from the
+    gradient of its pooled output: one sort and two launches for every table."""
+    if kernel is None:
+        kernel = use_kernels(weights) and weights.dtype != torch.float64
+    if kernel:
+        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B)
+        grad = grad.contiguous()
+        fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
+                     scale=scale, src_stride=grad.stride(0), src_bags=B, src_col=plan.out_col)
+        return
+    # reference: per table, the gradient rows of all its features, then one update
+    by_table = {}
+    for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
+        _elem, dim, col, pooling, _row, _n = m
+        lengths = o[1:] - o[:-1]
+        bag = torch.repeat_interleave(torch.arange(B, device=grad.device), lengths, output_size=vs.stop - vs.start)
+        rows = grad[bag, col:col + dim].float()
+        if psw is not None:
+            rows = rows * psw[vs].float()[:, None]
+        if pooling == MEAN:
+            rows = rows / lengths.clamp(min=1)[bag].float()[:, None]
+        by_table.setdefault(t, []).append((values[vs].long(), rows))
+    for t, parts in by_table.items():
+        rows, dim, elem, row = plan.tables[t]
+        per = optimizer.state_spec()
+        views = {k: v[row:row + rows] if per[k][0] == "row" else table_view(v, elem, rows, dim)
+                 for k, v in state.items()}
+        apply_sparse_update_reference(table_view(weights, elem, rows, dim), views, optimizer,
+                                      torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts]), None,
+                                      None, step)

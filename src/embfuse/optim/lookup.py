@@ -14,16 +14,17 @@ from embfuse.ops.embedding import _forward_impl as _gather
 from embfuse.ops.embedding import prepare_ids
 from embfuse.ops.embedding_bag import _backward_inputs, per_sample_weights_grad, prepare_bags
 from embfuse.ops.embedding_bag import _forward_impl as _pool
-from embfuse.optim.fused import apply_sparse_update
+from embfuse.ops.collection import _forward_impl as _pool_collection
+from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.rules import init_state
 
 
 class FusedOptimizer:
-    """An optimizer bound to one table: its fp32 state and its step count."""
+    """An optimizer bound to one table (or a collection's flat buffer): fp32 state, step count."""
 
-    def __init__(self, optimizer, num_embeddings: int, dim: int, device):
+    def __init__(self, optimizer, num_embeddings: int, dim: int, device, state=None):
         self.optimizer = optimizer
-        self.state = init_state(optimizer, num_embeddings, dim, device)
+        self.state = init_state(optimizer, num_embeddings, dim, device) if state is None else state
         self.step = 0
         self.anchor = torch.ones((), requires_grad=True)
 
@@ -69,6 +70,28 @@ class _FusedEmbedding(torch.autograd.Function):
         apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids.long(), grad.contiguous(), None, None,
                             fused.step, ctx.padding_idx)
         return None, None, None, None, None, None
+
+
+class _FusedCollection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused):
+        ctx.save_for_backward(values, offsets, psw)
+        ctx.weights, ctx.plan, ctx.B, ctx.fused = weights, plan, B, fused
+        return _pool_collection(weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, offsets, psw = ctx.saved_tensors
+        fused = ctx.fused
+        fused.step += 1
+        collection_update(ctx.weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B, grad,
+                          fused.step)
+        return None, None, None, None, None, None, None, None
+
+
+def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offsets, psw, plan, B):
+    """`embedding_bag_collection` whose backward updates `weights` with `fused`."""
+    return _FusedCollection.apply(fused.anchor, weights.detach(), values, offsets, psw, plan, B, fused)
 
 
 def _unsupported(scale_grad_by_freq, sparse, mode="sum"):

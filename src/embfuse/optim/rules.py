@@ -112,3 +112,10 @@ def init_state(optimizer, num_embeddings: int, dim: int, device) -> dict[str, to
         shape = (num_embeddings,) if per == "row" else (num_embeddings, dim)
         out[name] = torch.full(shape, float(value), dtype=torch.float32, device=device)
     return out
+
+
+def init_flat_state(optimizer, num_rows: int, num_elements: int, device) -> dict[str, torch.Tensor]:
+    """fp32 state of a table collection's flat buffer: per element, or per (global) row."""
+    return {name: torch.full((num_rows if per == "row" else num_elements,), float(value), dtype=torch.float32,
+                             device=device)
+            for name, (per, value) in optimizer.state_spec().items()}

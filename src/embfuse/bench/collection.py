@@ -1,0 +1,163 @@
+"""Table-collection workloads (kind "collection": forward; "collection-train": forward + backward
++ fused SGD): 26 tables with Criteo-like row counts, one keyed jagged batch of every feature.
+
+Providers: a loop of torch nn.EmbeddingBag (sparse gradients + torch.optim.SGD when training),
+FBGEMM's TBE over the same tables (EXACT_SGD), TorchRec's unsharded EmbeddingBagCollection when
+it imports, and embfuse.EmbeddingBagCollection. Besides time, each provider's kernel launches
+and host-to-device copies per step are counted with the profiler, starting from a batch in
+pinned host memory, as a training loop sees it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import embfuse
+from embfuse.bench.providers import Unsupported
+from embfuse.bench.workloads import Workload, generate_ids
+
+# the 26 categorical features of Criteo's Kaggle display-advertising set, capped at the
+# workload's `rows` (10M in the suite)
+CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
+               10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def table_rows(w: Workload) -> list[int]:
+    return [min(r, w.rows) for r in CRITEO_ROWS[:w.tables]]
+
+
+def make_batch(w: Workload, device) -> embfuse.KeyedJaggedTensor:
+    """Bag lengths uniform in [1, 2 * hotness - 1]; ids from the workload's distribution per table."""
+    g = torch.Generator(device=device).manual_seed(0)
+    F, B = w.tables, w.batch
+    lengths = torch.randint(1, 2 * w.hotness, (F * B,), device=device, generator=g)
+    per_key = lengths.view(F, B).sum(1).tolist()
+    values = torch.cat([generate_ids(Workload(w.name, w.kind, r, w.dim, B, dist=w.dist, alpha=w.alpha), n, device, g)
+                        for r, n in zip(table_rows(w), per_key)])
+    return embfuse.KeyedJaggedTensor([f"f{i}" for i in range(F)], values, lengths=lengths, stride=B,
+                                     length_per_key=per_key)
+
+
+def count_bytes(w: Workload, kjt) -> dict:
+    distinct = sum(int(torch.unique(jt.values()).numel()) for jt in kjt.to_dict().values())
+    out = w.batch * w.dim * w.tables * 4
+    ids = kjt.values().numel() * 8 + kjt.lengths().numel() * 8
+    rows = distinct * w.dim * 4
+    train = w.kind == "collection-train"
+    # training: rows read by the forward, read and written by the update; output and its gradient
+    return {"distinct_rows": distinct, "ids": kjt.values().numel(),
+            "min_bytes": (3 * rows + 2 * out + ids) if train else (rows + out + ids),
+            "rows_bytes": kjt.values().numel() * w.dim * 4}
+
+
+def _torch_loop(w, kjt, device, train):
+    mods = [torch.nn.EmbeddingBag(r, w.dim, mode="sum", sparse=train, device=device) for r in table_rows(w)]
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.01) if train else None
+
+    def forward(batch):
+        return torch.cat([m(jt.values(), jt.offsets()[:-1]) for m, jt in zip(mods, batch.to_dict().values())], 1)
+
+    def move(host):  # what a torch loop does: two copies per feature
+        parts = host.to_dict()
+        return embfuse.KeyedJaggedTensor.from_jt_dict(
+            {k: embfuse.JaggedTensor(jt.values().to(device, non_blocking=True),
+                                     lengths=jt.lengths().to(device, non_blocking=True)) for k, jt in parts.items()})
+
+    return forward, opt, move, mods
+
+
+def _fbgemm(w, kjt, device, train):
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except ImportError as e:
+        raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in table_rows(w)],
+        optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, bounds_check_mode=BoundsCheckMode.NONE)
+
+    def forward(batch):
+        return tbe(batch.values(), batch.offsets())
+
+    def move(host):  # ids and offsets of every table, already concatenated: two copies
+        return embfuse.KeyedJaggedTensor(host.keys(), host.values().to(device, non_blocking=True),
+                                         offsets=host.offsets().to(device, non_blocking=True), stride=host.stride())
+
+    return forward, None, move, [tbe]
+
+
+def _torchrec(w, kjt, device, train):
+    try:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    except ImportError as e:
+        raise Unsupported(f"torchrec does not import: {e}") from None
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=r, embedding_dim=w.dim, name=f"t{i}",
+                                                     feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
+                                 device=torch.device(device))
+    opt = torch.optim.SGD(ebc.parameters(), lr=0.01) if train else None
+    return (lambda batch: ebc(batch.to_torchrec()).values()), opt, (lambda host: host.to(device)), [ebc]
+
+
+def _embfuse(w, kjt, device, train):
+    ebc = embfuse.EmbeddingBagCollection(
+        [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
+        device=device, optimizer=embfuse.optim.SGD(lr=0.01) if train else None, bounds_check="off")
+    return (lambda batch: ebc(batch).values()), None, (lambda host: host.to(device, non_blocking=True)), [ebc]
+
+
+COLLECTION_PROVIDERS = {"torch": _torch_loop, "fbgemm": _fbgemm, "torchrec": _torchrec, "embfuse": _embfuse}
+
+
+def _counts(fn) -> dict:
+    """Kernels and host-to-device copies that one call of `fn` puts on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    h2d = sum("HtoD" in n for n in names)
+    other = sum(n.startswith("Memcpy") or n.startswith("Memset") for n in names)
+    return {"kernels_per_step": len(names) - other, "h2d_copies_per_step": h2d}
+
+
+def measure_collection(w: Workload, device) -> list[dict]:
+    from triton.testing import do_bench
+
+    train = w.kind == "collection-train"
+    kjt = make_batch(w, device)
+    host = kjt.to("cpu").pin_memory()
+    counts = count_bytes(w, kjt)
+    rows = []
+    for name, make in COLLECTION_PROVIDERS.items():
+        row = {"workload": w.name, "provider": name, **counts}
+        try:
+            forward, opt, move, keep = make(w, kjt, device, train)
+            grad = torch.randn(w.batch, w.dim * w.tables, device=device)
+
+            def step(batch=kjt):
+                if not train:
+                    with torch.no_grad():
+                        return forward(batch)
+                if opt is not None:
+                    opt.zero_grad(set_to_none=True)
+                forward(batch).backward(grad)
+                if opt is not None:
+                    opt.step()
+
+            step()
+            row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
+            row.update(_counts(lambda: step(move(host))))
+            del forward, opt, keep
+        except Unsupported as e:
+            row["skipped"] = str(e)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.empty_cache()
+        rows.append(row)
+    return rows

@@ -1,0 +1,267 @@
+"""Table collections with TorchRec's front end: configs, EmbeddingBagCollection, EmbeddingCollection.
+
+All tables of a collection live in ONE flat weight Parameter (`weights`), so a batch of every
+feature is looked up by one launch (and trained by one sort and two launches) whatever the
+number of tables. The state_dict shows one tensor per table under TorchRec's keys
+(`embedding_bags.<table>.weight`, `embeddings.<table>.weight`), so checkpoints move between
+embfuse and TorchRec. With `optimizer=` the backward updates the touched rows in place; the
+optimizer state is flat (`optimizer_<name>`, per element or per global row) with `optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, table_view,
+                                    validate_collection)
+from embfuse.ops.embedding import embedding
+from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
+from embfuse.optim.rules import init_flat_state
+from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _dtype(data_type) -> torch.dtype:
+    """A torch dtype, or TorchRec's DataType (FP32 / FP16 / BF16) by name."""
+    if isinstance(data_type, torch.dtype):
+        return data_type
+    name = getattr(data_type, "name", str(data_type)).upper()
+    if name not in _DTYPES:
+        raise TypeError(f"data_type must be float32, float16 or bfloat16, got {data_type!r}")
+    return _DTYPES[name]
+
+
+def _pooling(pooling) -> str:
+    """"sum" / "mean", or TorchRec's PoolingType.SUM / MEAN."""
+    name = getattr(pooling, "name", str(pooling)).lower()
+    if name not in ("sum", "mean"):
+        raise ValueError(f"pooling must be sum or mean (TorchRec's pooling types), got {pooling!r}")
+    return name
+
+
+@dataclass
+class EmbeddingConfig:
+    """One table (TorchRec's field names). Default init: uniform in +-sqrt(1 / num_embeddings)."""
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: object = torch.float32
+    feature_names: list[str] = field(default_factory=list)
+    weight_init_max: Optional[float] = None
+    weight_init_min: Optional[float] = None
+    init_fn: Optional[Callable[[Tensor], None]] = None
+
+
+@dataclass
+class EmbeddingBagConfig(EmbeddingConfig):
+    pooling: object = "sum"
+
+
+class _Collection(torch.nn.Module):
+    """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
+
+    _prefix = ""  # "embedding_bags" / "embeddings"
+
+    def __init__(self, tables, device=None, optimizer=None, bounds_check="raise"):
+        super().__init__()
+        if not tables:
+            raise ValueError("a collection needs at least one table")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names) or "" in names:
+            raise ValueError(f"tables need distinct, non-empty names; got {names}")
+        feats = [f for t in tables for f in t.feature_names]
+        if len(set(feats)) != len(feats):
+            raise ValueError(f"a feature may belong to one table only; got {feats}")
+        dtypes = {_dtype(t.data_type) for t in tables}
+        if len(dtypes) > 1:
+            raise TypeError(f"the tables of one collection share one buffer and one dtype; got {dtypes}")
+        for t in tables:
+            if t.num_embeddings <= 0 or t.embedding_dim <= 0:
+                raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
+        self.tables = list(tables)
+        self.bounds_check = bounds_check
+        self._shapes = [(t.num_embeddings, t.embedding_dim) for t in tables]
+        self._starts = [0]
+        for rows, dim in self._shapes:
+            self._starts.append(self._starts[-1] + rows * dim)
+        self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
+        self.reset_parameters()
+        self._plans = {}
+        self._fused = None
+        if optimizer is not None:
+            self.set_optimizer(optimizer)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for t, w in zip(self.tables, self.table_weights()):
+                if t.init_fn is not None:
+                    t.init_fn(w)
+                else:
+                    bound = math.sqrt(1.0 / t.num_embeddings)
+                    hi = bound if t.weight_init_max is None else t.weight_init_max
+                    lo = -bound if t.weight_init_min is None else t.weight_init_min
+                    w.uniform_(lo, hi)
+
+    def table_weights(self) -> list[Tensor]:
+        """Each table as a (rows, dim) view of the flat buffer."""
+        return [table_view(self.weights, s, r, d) for s, (r, d) in zip(self._starts, self._shapes)]
+
+    def embedding_weight(self, name: str) -> Tensor:
+        return self.table_weights()[[t.name for t in self.tables].index(name)]
+
+    # --- the optimizer in the backward ---
+    def set_optimizer(self, optimizer) -> None:
+        rows = sum(r for r, _ in self._shapes)
+        state = init_flat_state(optimizer, rows, self.weights.numel(), self.weights.device)
+        for name, tensor in state.items():
+            self.register_buffer(f"optimizer_{name}", tensor)
+        self._fused = FusedOptimizer(optimizer, 0, 0, self.weights.device, state=state)
+
+    def _fused_now(self):
+        if self._fused is None or not torch.is_grad_enabled():
+            return None
+        self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
+        return self._fused
+
+    # --- TorchRec's state_dict keys ---
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        del destination[prefix + "weights"]
+        for t, w in zip(self.tables, self.table_weights()):
+            destination[f"{prefix}{self._prefix}.{t.name}.weight"] = w if keep_vars else w.detach()
+        if self._fused is not None:
+            destination[prefix + "optimizer_step"] = torch.tensor(self._fused.step)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        parts = []
+        for t, w in zip(self.tables, self.table_weights()):
+            key = f"{prefix}{self._prefix}.{t.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                parts.append(w.detach().reshape(-1))
+                continue
+            value = state_dict.pop(key)
+            if tuple(value.shape) != tuple(w.shape):
+                error_msgs.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(w.shape)} here")
+                value = w.detach()
+            parts.append(value.reshape(-1).to(w.dtype))
+        state_dict[prefix + "weights"] = torch.cat(parts)
+        step = prefix + "optimizer_step"
+        if self._fused is not None:
+            if step in state_dict:
+                self._fused.step = int(state_dict.pop(step))
+            elif strict:
+                missing_keys.append(step)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch restricted to this collection's features (extra keys dropped)."""
+        missing = [f for f in self.feature_names if f not in kjt.keys()]
+        if missing:
+            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
+        if len(kjt.keys()) != len(self.feature_names):
+            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        return kjt
+
+
+class EmbeddingBagCollection(_Collection):
+    """TorchRec's EmbeddingBagCollection: pooled lookups of every feature of a KeyedJaggedTensor,
+    returned as a KeyedTensor (B, sum of widths) in table order, then feature order."""
+
+    _prefix = "embedding_bags"
+
+    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
+                 bounds_check: str = "raise"):
+        for t in tables:
+            _pooling(t.pooling)
+        super().__init__(tables, device, optimizer, bounds_check)
+        self.is_weighted = is_weighted
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        self._feature = {}  # name -> (table index, pooling, first output column)
+        col = 0
+        for i, t in enumerate(tables):
+            for f in t.feature_names:
+                self._feature[f] = (i, _pooling(t.pooling), col)
+                col += t.embedding_dim
+        self._dims = [self.tables[self._feature[f][0]].embedding_dim for f in self.feature_names]
+
+    def _plan(self, keys: list[str], device) -> Plan:
+        key = (tuple(keys), device)
+        if key not in self._plans:
+            self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device)
+        return self._plans[key]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        kjt = self._features(features)
+        keys, B = kjt.keys(), kjt.stride()
+        plan = self._plan(keys, self.weights.device)
+        psw = kjt.weights_or_none() if self.is_weighted else None
+        if self.is_weighted and psw is None:
+            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        values, offsets, psw = validate_collection(
+            kjt.values(), kjt.offsets(), psw, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            self.bounds_check)
+        fused = self._fused_now()
+        if fused is not None:
+            out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B)
+        else:
+            out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B)
+        return KeyedTensor(self.feature_names, self._dims, out)
+
+
+class EmbeddingCollection(_Collection):
+    """TorchRec's EmbeddingCollection: unpooled lookups, one JaggedTensor of (n_f, D) rows per
+    feature. Tables share one width (as in TorchRec), so the flat buffer is a (rows, D) table and
+    one gather of global rows (table start + id) serves every feature."""
+
+    _prefix = "embeddings"
+
+    def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None, bounds_check: str = "raise"):
+        dims = {t.embedding_dim for t in tables}
+        if len(dims) > 1:
+            raise ValueError(f"the tables of an EmbeddingCollection share one embedding_dim; got {sorted(dims)}")
+        super().__init__(tables, device, optimizer, bounds_check)
+        self.embedding_dim = dims.pop()
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        row_start = [s // self.embedding_dim for s in self._starts]
+        self._feature = {f: (i, row_start[i]) for i, t in enumerate(tables) for f in t.feature_names}
+
+    def set_optimizer(self, optimizer) -> None:
+        super().set_optimizer(optimizer)
+        # the flat buffer is one (rows, D) table here: element state takes that shape
+        for name, v in self._fused.state.items():
+            if v.numel() == self.weights.numel():
+                self.register_buffer(f"optimizer_{name}", v.view(-1, self.embedding_dim))
+        self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        kjt = self._features(features)
+        keys, B = kjt.keys(), kjt.stride()
+        plan = self._plans.get((tuple(keys), self.weights.device))
+        if plan is None:
+            feats = [(self._feature[k][0], "sum", 0) for k in keys]
+            plan = self._plans.setdefault((tuple(keys), self.weights.device),
+                                          Plan(self._shapes, feats, self.weights.device))
+        values, offsets, _ = validate_collection(
+            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            self.bounds_check)
+        lengths = offsets[1:] - offsets[:-1]
+        rows = plan.meta[:, ROW_START][bag_of_value(offsets, values.numel()) // max(B, 1)] + values.long()
+        table = self.weights.view(-1, self.embedding_dim)
+        fused = self._fused_now()
+        if fused is not None:
+            out = fused_embedding(fused, rows, table, bounds_check="off")
+        else:
+            out = embedding(rows, table, bounds_check="off")
+        counts = kjt.length_per_key() if values is kjt.values() else lengths.reshape(len(keys), B).sum(1).tolist()
+        return {k: JaggedTensor(v, lengths=lengths[i * B:(i + 1) * B])
+                for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}

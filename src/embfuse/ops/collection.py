@@ -1,0 +1,269 @@
+"""Table-batched pooled lookup: every feature of a keyed jagged batch in one launch.
+
+    out[b, col_f : col_f + D_f] = pool over p in bag g = f * B + b of  w[p] * table_f[values[p], :]
+
+Bags are key-major (TorchRec's layout: feature 0's B bags, then feature 1's); feature f reads
+table t(f) (features may share a table) of width D_f = D_t(f), pools by sum or mean, and writes
+its columns of the (B, sum of D_f) output. All tables live in one flat weight buffer laid out by
+a `Layout` (ops/_segment.py), so the backward (and a fused optimizer) is one sort and two
+launches for the whole collection, whatever the number of tables.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from embfuse._triton import kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
+from embfuse.ops._segment import Layout, reduce_segments
+from embfuse.ops._validate import can_sync, check_bounds_mode, check_index_dtype
+from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, embedding_bag_reference, pool_bag
+
+POOLING = {"sum": SUM, "mean": MEAN}
+# columns of Plan.meta, one row per feature
+ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS = range(6)
+
+
+class Plan:
+    """What the kernels need to know about a collection's features, on one device.
+
+    tables: (rows, dim) of each table; features: (table index, pooling, first output column)
+    of each feature, in the order of the batch's keys. meta[f] = (first element of f's table in
+    the flat buffer, width, first output column, pooling, first global row, rows)."""
+
+    def __init__(self, tables: list[tuple[int, int]], features: list[tuple[int, str, int]], device):
+        self.layout = Layout.build([r for r, _ in tables], [d for _, d in tables], device)
+        elem, row = [0], [0]
+        for rows, dim in tables:
+            elem.append(elem[-1] + rows * dim)
+            row.append(row[-1] + rows)
+        self.rows = [[elem[t], tables[t][1], col, POOLING[pooling], row[t], tables[t][0]]
+                     for t, pooling, col in features]
+        self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, 6)
+        self.out_col = self.meta[:, OUT_COL].contiguous()
+        self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
+        self.max_dim = max((d for _, d in tables), default=0)
+        self.num_elements = elem[-1]
+        self.num_rows = row[-1]
+        self.tables = [(rows, dim, elem[t], row[t]) for t, (rows, dim) in enumerate(tables)]
+        self.feature_table = [t for t, _, _ in features]
+
+
+def bag_of_value(offsets: Tensor, n: int) -> Tensor:
+    """Bag g of every value (offsets: F * B + 1, starting at 0); no host read."""
+    lengths = offsets[1:] - offsets[:-1]
+    bags = torch.arange(lengths.numel(), device=offsets.device)
+    return torch.repeat_interleave(bags, lengths, output_size=n)
+
+
+def feature_slices(offsets, rows, B):
+    """Per feature: (its meta row, its values' slice, its bags' offsets from 0). Host reads."""
+    for f, m in enumerate(rows):
+        o = offsets[f * B:(f + 1) * B + 1].long()
+        lo, hi = (int(v) for v in o[[0, -1]]) if B else (0, 0)
+        yield m, slice(lo, hi), o - lo
+
+
+def table_view(buffer, elem_start, rows, dim):
+    """Table of the flat buffer as a (rows, dim) view."""
+    return buffer[elem_start:elem_start + rows * dim].view(rows, dim)
+
+
+def _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc):
+    """Per value and column c < max_dim: (flat weight element, flat output element, factor):
+    factor = psw x (1 / bag length under mean), 0 for the columns past the value's width.
+    Plain tensor ops without host reads, so the reference also traces under torch.compile."""
+    bag = bag_of_value(offsets, values.numel())
+    m = meta[bag // max(B, 1)]
+    cols = torch.arange(max_dim, device=values.device)
+    inside = cols[None, :] < m[:, DIM, None]
+    w_at = torch.where(inside, m[:, ELEM_START, None] + values.long()[:, None] * m[:, DIM, None] + cols, 0)
+    o_at = torch.where(inside, (bag % max(B, 1))[:, None] * total_dim + m[:, OUT_COL, None] + cols, 0)
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(acc)
+    factor = torch.where(m[:, POOL] == MEAN, 1.0 / lengths, 1.0)
+    if psw is not None:
+        factor = factor * psw.to(acc)
+    return w_at, o_at, inside * factor[:, None]
+
+
+def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+    """Pure torch (CPU path and test oracle): gather every value's row, scale, add into its bag."""
+    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    w_at, o_at, factor = _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc)
+    out = torch.zeros(B * total_dim, dtype=acc, device=weights.device)
+    out.index_add_(0, o_at.reshape(-1), (weights.to(acc)[w_at] * factor).reshape(-1))
+    return out.view(B, total_dim).to(weights.dtype)
+
+
+@triton.jit
+def _collection_fwd_kernel(
+    weights, values, offsets, psw, meta, out, B, stride_o,
+    HAS_PSW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    f = g // B
+    first_col = tl.program_id(1) * BLOCK_D
+    D = tl.load(meta + f * 6 + 1)
+    if first_col < D:  # narrower features leave their last column blocks idle
+        cols = first_col + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        start = tl.load(offsets + g).to(tl.int64)
+        end = tl.load(offsets + g + 1).to(tl.int64)
+        result, _ = pool_bag(weights + tl.load(meta + f * 6), values, psw, start, end, cols, cmask, D, -1,
+                             0, HAS_PSW, False, BLOCK_L, BLOCK_D, EVICT)
+        if tl.load(meta + f * 6 + 3) == 1:  # mean
+            result = result / tl.maximum(end - start, 1).to(tl.float32)
+        b = g - f * B
+        tl.store(out + b * stride_o + tl.load(meta + f * 6 + 2) + cols, result.to(out.dtype.element_ty), mask=cmask)
+
+
+def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+    F = meta.shape[0]
+    out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
+    if B == 0 or total_dim == 0:
+        return out
+    avg = next_pow2(max(1, values.numel() // max(1, F * B)))
+    cfg = _config(max_dim, avg) if tracing() else _config_cached(max_dim, avg)
+    launch(_collection_fwd_kernel)[(F * B, triton.cdiv(max_dim, cfg["BLOCK_D"]))](
+        weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0),
+        HAS_PSW=psw is not None, **cfg)
+    return out
+
+
+def backward_inputs(values, offsets, psw, meta, B):
+    """Per value: (global row = sort key, bag, scale or None)."""
+    bag = bag_of_value(offsets, values.numel())
+    f = bag // max(B, 1)
+    keys = meta[:, ROW_START][f] + values.long()
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(torch.float32)
+    scale = torch.where(meta[:, POOL][f] == MEAN, 1.0 / lengths, 1.0)
+    return keys, bag, scale if psw is None else psw.to(torch.float32) * scale
+
+
+def collection_backward(grad, values, offsets, psw, meta, row_start, dims, elem_start, B, num_elements, max_dim):
+    """Gradient of the flat weight buffer (dense), by one segment reduction."""
+    out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
+    if values.numel() == 0:
+        return out
+    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B)
+    layout = Layout(row_start, dims, elem_start, max_dim)
+    return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
+                           src_stride=grad.stride(0), src_bags=B, src_col=meta[:, OUT_COL].contiguous())
+
+
+def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
+    """Pure torch: every value's scaled gradient row added into its table row."""
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    w_at, o_at, factor = _elements(values, offsets, psw, meta, B, grad.shape[1], max_dim, acc)
+    out = torch.zeros(num_elements, dtype=acc, device=grad.device)
+    out.index_add_(0, w_at.reshape(-1), (grad.to(acc).reshape(-1)[o_at] * factor).reshape(-1))
+    return out.to(grad.dtype)
+
+
+def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+    if use_kernels(weights) and weights.dtype != torch.float64:
+        return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim)
+    return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim)
+
+
+@kernel_op("embfuse::embedding_bag_collection", mutates_args=())
+def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                   meta: Tensor, row_start: Tensor, dims: Tensor, elem_start: Tensor, B: int, total_dim: int,
+                   max_dim: int) -> Tensor:
+    return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim)
+
+
+@_collection_op.register_fake
+def _(weights, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B, total_dim, max_dim):
+    return weights.new_empty(B, total_dim)
+
+
+@kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
+def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                            meta: Tensor, row_start: Tensor, dims: Tensor, elem_start: Tensor, B: int,
+                            num_elements: int, max_dim: int) -> Tensor:
+    if use_kernels(grad) and grad.dtype != torch.float64:
+        return collection_backward(grad, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B,
+                                   num_elements, max_dim)
+    return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
+
+
+@_collection_backward_op.register_fake
+def _(grad, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B, num_elements, max_dim):
+    return grad.new_empty(num_elements)
+
+
+def _setup_context(ctx, inputs, output):
+    weights, values, offsets, psw, meta, row_start, dims, elem_start, B, total_dim, max_dim = inputs
+    ctx.save_for_backward(values, offsets, psw, meta, row_start, dims, elem_start)
+    ctx.args = (B, weights.numel(), max_dim)
+
+
+def _autograd_backward(ctx, grad):
+    values, offsets, psw, meta, row_start, dims, elem_start = ctx.saved_tensors
+    B, num_elements, max_dim = ctx.args
+    g = None
+    if ctx.needs_input_grad[0]:
+        g = _collection_backward_op(grad, values, offsets, psw, meta, row_start, dims, elem_start, B,
+                                    num_elements, max_dim)
+    return g, None, None, None, None, None, None, None, None, None, None
+
+
+_collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                             plan: Plan, B: int) -> Tensor:
+    """Pooled lookup of every feature (checked input, canonical offsets); (B, plan.total_dim)."""
+    if per_sample_weights is not None and per_sample_weights.requires_grad:
+        raise ValueError("per-sample weights of a collection get no gradient; detach them")
+    if needs_op(weights):
+        L = plan.layout
+        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, L.row_start, L.dims,
+                              L.elem_start, B, plan.total_dim, plan.max_dim)
+    return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim)
+
+
+def validate_collection(values: Tensor, offsets: Tensor, psw: Optional[Tensor], plan: Plan, B: int,
+                        keys: list[str], tables: list[str], bounds_check: str = "raise"):
+    """Check a keyed batch against the collection's tables with one host read: lengths that are
+    non-negative and add up to the values, every id inside its feature's table. Returns the
+    (values, offsets, per_sample_weights) to use: compacted copies when bounds_check="skip"
+    drops bad ids. Errors name the feature, its table, the position and the sample."""
+    check_bounds_mode(bounds_check)
+    check_index_dtype("values", values)
+    check_index_dtype("lengths", offsets)
+    if psw is not None and psw.shape != values.shape:
+        raise ValueError(f"weights has shape {tuple(psw.shape)}; values has {tuple(values.shape)}")
+    n, FB = values.numel(), offsets.numel() - 1
+    if bounds_check == "off" or not can_sync(values) or FB == 0:
+        return values, offsets, psw
+    lengths = offsets[1:] - offsets[:-1]
+    bag = (torch.searchsorted(offsets, torch.arange(n, device=values.device, dtype=offsets.dtype), right=True)
+           - 1).clamp(0, FB - 1)
+    limit = plan.meta[:, ROWS][bag // B]
+    bad = (values < 0) | (values >= limit)
+    neg, total, any_bad = torch.stack([(lengths < 0).any().long(), offsets[-1].long(), bad.any().long()]).tolist()
+    if neg:
+        g = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"feature {keys[g // B]!r}: lengths[{g}] (sample {g % B}) = {int(lengths[g])} is negative")
+    if total != n:
+        raise ValueError(f"lengths add up to {total} but there are {n} values")
+    if not any_bad:
+        return values, offsets, psw
+    p = int(bad.nonzero()[0])
+    g = int(bag[p])
+    f = g // B
+    rows = plan.rows[f][ROWS]
+    msg = (f"feature {keys[f]!r}: values[{p}] = {int(values[p])} (sample {g % B}) is out of range for table "
+           f"{tables[f]!r} of {rows} rows (valid ids are 0..{rows - 1})")
+    if bounds_check == "raise":
+        raise IndexError(msg)
+    keep = ~bad
+    warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {msg}", stacklevel=3)
+    kept = torch.bincount(bag[keep], minlength=FB).to(offsets.dtype)
+    offsets = torch.cat([offsets[:1], kept.cumsum(0).to(offsets.dtype)])
+    return values[keep], offsets, None if psw is None else psw[keep]

@@ -1,0 +1,311 @@
+"""The batch of all sparse features: TorchRec's KeyedJaggedTensor layout, names and methods.
+
+Key-major layout: `lengths` holds the bag lengths of key 0 for every sample, then key 1, ...;
+`values` holds the ids in that order, `weights` (optional) one float per value. With F keys and
+stride B samples, lengths has F * B entries and offsets F * B + 1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _offsets_of(lengths: Tensor) -> Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+class JaggedTensor:
+    """One feature's bags: values[offsets[b]:offsets[b+1]] is sample b's list (and weights)."""
+
+    def __init__(self, values: Tensor, weights: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
+                 offsets: Optional[Tensor] = None):
+        if lengths is None and offsets is None:
+            raise ValueError("a JaggedTensor needs lengths or offsets")
+        self._values, self._weights = values, weights
+        self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+        self._offsets = offsets if offsets is not None else _offsets_of(lengths)
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError("this JaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[Tensor]:
+        return self._weights
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        return self._offsets
+
+    def to_dense(self) -> list[Tensor]:
+        """One tensor per sample."""
+        return list(torch.split(self._values, self._lengths.tolist()))
+
+    def __repr__(self) -> str:
+        return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
+
+
+class KeyedJaggedTensor:
+    """keys: feature names (unique); values: all ids, key-major; lengths or offsets (F * B [+1]);
+    weights: optional per-value floats; stride: B (inferred from the lengths when omitted)."""
+
+    def __init__(self, keys: Sequence[str], values: Tensor, weights: Optional[Tensor] = None,
+                 lengths: Optional[Tensor] = None, offsets: Optional[Tensor] = None, stride: Optional[int] = None,
+                 length_per_key: Optional[list[int]] = None):
+        self._keys = list(keys)
+        if len(set(self._keys)) != len(self._keys):
+            dup = next(k for k in self._keys if self._keys.count(k) > 1)
+            raise ValueError(f"keys must be unique; {dup!r} appears more than once")
+        if lengths is None and offsets is None:
+            raise ValueError("a KeyedJaggedTensor needs lengths or offsets")
+        if values.dim() != 1:
+            raise ValueError(f"values must be 1-D, got shape {tuple(values.shape)}")
+        if values.is_floating_point():
+            raise TypeError(f"values are ids and must be integers, got {values.dtype}")
+        self._values, self._weights = values, weights
+        self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+        self._offsets = offsets
+        F = len(self._keys)
+        n = self._lengths.numel()
+        if stride is None:
+            if F and n % F:
+                raise ValueError(f"{n} lengths do not split evenly over {F} keys")
+            stride = n // F if F else 0
+        elif n != F * stride:
+            raise ValueError(f"lengths has {n} entries; {F} keys x stride {stride} needs {F * stride}")
+        self._stride = stride
+        self._length_per_key = length_per_key
+
+    # --- TorchRec's accessors ---
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[Tensor]:
+        return self._weights
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = _offsets_of(self._lengths)
+        return self._offsets
+
+    def stride(self) -> int:
+        return self._stride
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def length_per_key(self) -> list[int]:
+        """Number of values of each key (one host read the first time, if on a GPU)."""
+        if self._length_per_key is None:
+            F = len(self._keys)
+            self._length_per_key = self._lengths.reshape(F, self._stride).sum(1).tolist() if F else []
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        out = [0]
+        for n in self.length_per_key():
+            out.append(out[-1] + n)
+        return out
+
+    @staticmethod
+    def from_lengths_sync(keys, values, lengths, weights=None, stride=None) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=stride)
+
+    @staticmethod
+    def from_offsets_sync(keys, values, offsets, weights=None, stride=None) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(keys, values, weights, offsets=offsets, stride=stride)
+
+    @staticmethod
+    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
+        jts = list(jt_dict.values())
+        if not jts:
+            raise ValueError("from_jt_dict needs at least one JaggedTensor")
+        weighted = [jt.weights_or_none() is not None for jt in jts]
+        if any(weighted) and not all(weighted):
+            raise ValueError("either every JaggedTensor has weights or none has")
+        return KeyedJaggedTensor(
+            list(jt_dict), torch.cat([jt.values() for jt in jts]),
+            torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+            lengths=torch.cat([jt.lengths() for jt in jts]),
+            length_per_key=[jt.values().numel() for jt in jts])
+
+    # --- slicing by key ---
+    def _key_slices(self):
+        B, lpk, opk = self._stride, self.length_per_key(), self.offset_per_key()
+        for i, key in enumerate(self._keys):
+            yield key, slice(i * B, (i + 1) * B), slice(opk[i], opk[i] + lpk[i])
+
+    def to_dict(self) -> dict[str, JaggedTensor]:
+        out = {}
+        for key, ls, vs in self._key_slices():
+            w = None if self._weights is None else self._weights[vs]
+            out[key] = JaggedTensor(self._values[vs], w, lengths=self._lengths[ls])
+        return out
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        if key not in self._keys:
+            raise KeyError(f"no key {key!r}; keys are {self._keys}")
+        return self.to_dict()[key]
+
+    def split(self, segments: Sequence[int]) -> list["KeyedJaggedTensor"]:
+        """Consecutive groups of keys, segments[i] keys each."""
+        if sum(segments) != len(self._keys):
+            raise ValueError(f"segments {list(segments)} do not add up to the {len(self._keys)} keys")
+        out, start = [], 0
+        B, opk, lpk = self._stride, self.offset_per_key(), self.length_per_key()
+        for size in segments:
+            keys = self._keys[start:start + size]
+            vs = slice(opk[start], opk[start + size])
+            out.append(KeyedJaggedTensor(
+                keys, self._values[vs], None if self._weights is None else self._weights[vs],
+                lengths=self._lengths[start * B:(start + size) * B], stride=B,
+                length_per_key=lpk[start:start + size]))
+            start += size
+        return out
+
+    def permute(self, indices: Sequence[int]) -> "KeyedJaggedTensor":
+        """A KJT whose key i is this one's key indices[i] (keys may repeat or be left out)."""
+        parts = self.to_dict()
+        jts = [parts[self._keys[i]] for i in indices]
+        cat = (lambda ts: torch.cat(ts)) if jts else (lambda ts: self._values[:0])
+        return KeyedJaggedTensor(
+            [self._keys[i] for i in indices], cat([jt.values() for jt in jts]),
+            None if self._weights is None else cat([jt.weights() for jt in jts]),
+            lengths=torch.cat([jt.lengths() for jt in jts]) if jts else self._lengths[:0], stride=self._stride,
+            length_per_key=[self.length_per_key()[i] for i in indices])
+
+    @staticmethod
+    def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Keys of every KJT in order (same stride, keys distinct)."""
+        if len({k.stride() for k in kjts}) > 1:
+            raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
+        weighted = {k.weights_or_none() is not None for k in kjts}
+        if len(weighted) > 1:
+            raise ValueError("either every KJT has weights or none has")
+        return KeyedJaggedTensor(
+            [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
+            torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+            lengths=torch.cat([k.lengths() for k in kjts]), stride=kjts[0].stride(),
+            length_per_key=[n for k in kjts for n in k.length_per_key()])
+
+    # --- moving ---
+    def _tensors(self):
+        return [t for t in (self._values, self._lengths, self._weights) if t is not None]
+
+    def pin_memory(self) -> "KeyedJaggedTensor":
+        return self._with(*[t.pin_memory() for t in self._tensors()])
+
+    def _with(self, values, lengths, weights=None):
+        return KeyedJaggedTensor(self._keys, values, weights, lengths=lengths, stride=self._stride,
+                                 length_per_key=self._length_per_key)
+
+    def to(self, device, non_blocking: bool = False) -> "KeyedJaggedTensor":
+        """Move to `device` in ONE copy: values, lengths and weights are packed into one byte
+        buffer (16-byte aligned parts), copied, and viewed back as their dtypes on arrival. The
+        per-key lengths are summed here first, so the moved KJT never reads them back."""
+        device = torch.device(device)
+        if self.device() == device:
+            return self
+        self.length_per_key()  # on the source side, where it costs no device read
+        parts = self._tensors()
+        sizes = [t.numel() * t.element_size() for t in parts]
+        starts = [0]
+        for s in sizes:
+            starts.append(starts[-1] + -(-s // 16) * 16)
+        pin = non_blocking and self.device().type == "cpu" and device.type == "cuda"
+        buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+        for t, a, s in zip(parts, starts, sizes):
+            buf[a:a + s] = t.contiguous().view(-1).view(torch.uint8)
+        moved = buf.to(device, non_blocking=non_blocking)
+        out = [moved[a:a + s].view(t.dtype) for t, a, s in zip(parts, starts, sizes)]
+        return self._with(*out)
+
+    # --- checks and TorchRec interop ---
+    def validate(self) -> "KeyedJaggedTensor":
+        """Raise if lengths are negative or do not add up to the values (one host read)."""
+        F, B = len(self._keys), self._stride
+        if self._lengths.is_floating_point():
+            raise TypeError(f"lengths must be integers, got {self._lengths.dtype}")
+        if self._weights is not None and self._weights.shape != self._values.shape:
+            raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
+                             f"{tuple(self._values.shape)}")
+        lengths = self._lengths.reshape(F, B) if F else self._lengths.reshape(0, 0)
+        neg, total = (lengths < 0).any(), lengths.sum()
+        neg, total = torch.stack([neg.long(), total.long()]).tolist()
+        if neg:
+            f, b = (lengths < 0).nonzero()[0].tolist()
+            raise ValueError(f"feature {self._keys[f]!r}: lengths[{f * B + b}] (sample {b}) = "
+                             f"{int(lengths[f, b])} is negative")
+        if total != self._values.numel():
+            raise ValueError(f"lengths add up to {total} but there are {self._values.numel()} values")
+        return self
+
+    @staticmethod
+    def from_torchrec(kjt) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights_or_none(), lengths=kjt.lengths(),
+                                 stride=kjt.stride())
+
+    def to_torchrec(self):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchRecKJT
+
+        return TorchRecKJT(keys=self._keys, values=self._values, weights=self._weights, lengths=self._lengths,
+                           stride=self._stride)
+
+    def __repr__(self) -> str:
+        return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values}, "
+                f"lengths={self._lengths}, weights={self._weights})")
+
+
+class KeyedTensor:
+    """Pooled outputs of several features side by side: values (B, sum of widths)."""
+
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1):
+        self._keys, self._length_per_key, self._values, self._key_dim = list(keys), list(length_per_key), values, key_dim
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        out = [0]
+        for n in self._length_per_key:
+            out.append(out[-1] + n)
+        return out
+
+    def to_dict(self) -> dict[str, Tensor]:
+        return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=self._key_dim)))
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.to_dict()[key]
+
+    def __repr__(self) -> str:
+        return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"

@@ -1,0 +1,169 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import embfuse
+from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from embfuse import KeyedJaggedTensor
+from embfuse.optim import SGD, RowWiseAdagrad
+from tests.conftest import DEVICES
+from tests.tolerances import assert_close
+
+
+def tables():
+    # mixed widths, a table shared by two features, sum and mean
+    return [EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="user", feature_names=["uid", "friend"]),
+            EmbeddingBagConfig(num_embeddings=9, embedding_dim=3, name="item", feature_names=["iid"], pooling="mean"),
+            EmbeddingBagConfig(num_embeddings=5, embedding_dim=8, name="genre", feature_names=["genres"])]
+
+
+ROWS = {"uid": 20, "friend": 20, "iid": 9, "genres": 5}
+
+
+def random_kjt(keys, B, device, weighted=False):
+    lengths = torch.randint(0, 4, (len(keys) * B,))
+    lengths[0] = 0
+    lengths[B * (len(keys) - 1):] = 0 if len(keys) > 2 else lengths[B * (len(keys) - 1):]  # an empty feature
+    values = torch.cat([torch.randint(0, ROWS[k], (int(n),)) for k, n in
+                        zip(keys, lengths.reshape(len(keys), B).sum(1))])
+    w = torch.rand(values.numel()) + 0.5 if weighted else None
+    return KeyedJaggedTensor(keys, values, w, lengths=lengths).to(device)
+
+
+def torch_pooled(ebc, kjt, weighted):
+    """The oracle: one torch embedding_bag per feature, float64."""
+    outs = {}
+    d = kjt.to_dict()
+    for t, w in zip(ebc.tables, ebc.table_weights()):
+        for f in t.feature_names:
+            jt = d[f]
+            psw = jt.weights().double() if weighted else None
+            outs[f] = F.embedding_bag(jt.values(), w.double(), jt.offsets()[:-1], mode=t.pooling,
+                                      per_sample_weights=psw)
+    return outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_one_torch_embedding_bag_per_table(device, weighted, dtype):
+    if weighted:  # torch weights sum pooling only
+        ts = [EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, dtype, t.feature_names) for t in tables()]
+    else:
+        ts = [EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, dtype, t.feature_names,
+                                 pooling=t.pooling) for t in tables()]
+    ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device)
+    keys = ["genres", "uid", "iid", "friend"]  # not the collection's order: the output follows the tables
+    kjt = random_kjt(keys, 6, device, weighted)
+    out = ebc(kjt)
+    assert out.keys() == ["uid", "friend", "iid", "genres"] and out.length_per_key() == [4, 4, 3, 8]
+    ref = torch_pooled(ebc, kjt, weighted)
+    for f, v in out.to_dict().items():
+        assert_close(v, ref[f], dtype, reduction=4)
+    g = torch.randn_like(out.values())
+    out.values().backward(g)
+    ref_w = [w.detach().double().requires_grad_() for w in ebc.table_weights()]
+    d = kjt.to_dict()
+    loss = 0
+    for t, w in zip(ebc.tables, ref_w):
+        for f in t.feature_names:
+            jt, cols = d[f], out.offset_per_key()[out.keys().index(f)]
+            psw = jt.weights().double() if weighted else None
+            pooled = F.embedding_bag(jt.values(), w, jt.offsets()[:-1], mode=t.pooling, per_sample_weights=psw)
+            loss = loss + (pooled * g[:, cols:cols + t.embedding_dim].double()).sum()
+    loss.backward()
+    got = [ebc.weights.grad[s:s + w.numel()].view_as(w) for s, w in zip(ebc._starts, ref_w)]
+    for a, b in zip(got, ref_w):
+        assert_close(a, b.grad, dtype, reduction=12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_optimizer_trains_like_torch_sgd(device):
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.5))
+    ref = EmbeddingBagCollection(tables(), device=device)
+    ref.load_state_dict(ebc.state_dict(), strict=False)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        kjt = random_kjt(["uid", "friend", "iid", "genres"], 5, device)
+        target = torch.randn(5, 19, device=device)
+        (ebc(kjt).values() - target).square().sum().backward()
+        opt.zero_grad()
+        (ref(kjt).values() - target).square().sum().backward()
+        opt.step()
+    assert ebc.weights.grad is None
+    assert_close(ebc.weights, ref.weights, torch.float32, reduction=10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_has_torchrec_keys_and_round_trips(device):
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=RowWiseAdagrad(lr=0.1))
+    ebc(random_kjt(["uid", "friend", "iid", "genres"], 4, device)).values().sum().backward()
+    sd = ebc.state_dict()
+    assert [k for k in sd if k.startswith("embedding_bags")] == [
+        "embedding_bags.user.weight", "embedding_bags.item.weight", "embedding_bags.genre.weight"]
+    assert sd["embedding_bags.item.weight"].shape == (9, 3) and int(sd["optimizer_step"]) == 1
+    other = EmbeddingBagCollection(tables(), device=device, optimizer=RowWiseAdagrad(lr=0.1))
+    other.load_state_dict(sd)
+    assert torch.equal(other.weights, ebc.weights) and torch.equal(other.optimizer_sum, ebc.optimizer_sum)
+    # a table loads into a plain torch module, and back
+    bag = torch.nn.EmbeddingBag(9, 3, mode="mean").to(device)
+    bag.weight.data.copy_(sd["embedding_bags.item.weight"])
+    plain = EmbeddingBagCollection(tables(), device=device)
+    plain.load_state_dict({k: v for k, v in sd.items() if k.startswith("embedding_bags")})
+    assert torch.equal(plain.embedding_weight("item"), bag.weight)
+    with pytest.raises(RuntimeError, match="embedding_bags.genre.weight"):
+        plain.load_state_dict({"embedding_bags.user.weight": sd["embedding_bags.user.weight"]})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_ids_name_the_feature_and_change_nothing(device):
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.1))
+    before = ebc.weights.detach().clone()
+    kjt = KeyedJaggedTensor(["uid", "friend", "iid", "genres"], torch.tensor([1, 2, 3, 9, 4]),
+                            lengths=torch.tensor([1, 1, 1, 0, 1, 0, 0, 1])).to(device)
+    with pytest.raises(IndexError, match=r"feature 'iid': values\[3\] = 9 \(sample 0\) is out of range for table "
+                                         r"'item' of 9 rows"):
+        ebc(kjt)
+    assert torch.equal(ebc.weights, before)
+    bad_len = KeyedJaggedTensor(["uid", "friend", "iid", "genres"], torch.tensor([1, 2]),
+                                lengths=torch.tensor([1, 2, -1, 0, 0, 0, 0, 0])).to(device)
+    with pytest.raises(ValueError, match=r"feature 'friend': lengths\[2\] \(sample 0\) = -1 is negative"):
+        ebc(bad_len)
+    with pytest.raises(KeyError, match="no feature 'genres'"):
+        ebc(KeyedJaggedTensor(["uid", "friend", "iid"], torch.tensor([1]), lengths=torch.tensor([1, 0, 0])))
+    skip = EmbeddingBagCollection(tables(), device=device, bounds_check="skip")
+    with pytest.warns(UserWarning, match="skipped 1 out-of-range"):
+        out = skip(kjt)
+    assert torch.equal(out["iid"][1], torch.zeros(3, device=device))  # the bad id's bag is empty now
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_collection_matches_torch_embedding(device):
+    ts = [EmbeddingConfig(num_embeddings=20, embedding_dim=4, name="user", feature_names=["uid"]),
+          EmbeddingConfig(num_embeddings=9, embedding_dim=4, name="item", feature_names=["iid", "hist"])]
+    ec = EmbeddingCollection(ts, device=device)
+    kjt = KeyedJaggedTensor(["uid", "iid", "hist"], torch.tensor([3, 19, 8, 0, 1, 2]),
+                            lengths=torch.tensor([1, 1, 1, 0, 2, 1])).to(device)
+    out = ec(kjt)
+    user, item = ec.table_weights()
+    assert torch.equal(out["uid"].values(), F.embedding(torch.tensor([3, 19], device=device), user))
+    assert torch.equal(out["hist"].values(), F.embedding(torch.tensor([0, 1, 2], device=device), item))
+    assert out["hist"].lengths().tolist() == [2, 1]
+    out["hist"].values().sum().backward()
+    assert torch.equal(ec.weights.grad.view(-1, 4)[20:23], torch.ones(3, 4, device=device))
+    assert list(ec.state_dict()) == ["embeddings.user.weight", "embeddings.item.weight"]
+    with pytest.raises(ValueError, match="share one embedding_dim"):
+        EmbeddingCollection([ts[0], EmbeddingConfig(3, 5, "x", feature_names=["x"])])
+
+
+def test_opcheck_and_compile():
+    ebc = EmbeddingBagCollection(tables())
+    kjt = random_kjt(["uid", "friend", "iid", "genres"], 4, "cpu")
+    P = ebc._plan(kjt.keys(), ebc.weights.device)
+    L = P.layout
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
+                          (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None, P.meta,
+                           L.row_start, L.dims, L.elem_start, 4, P.total_dim, P.max_dim))
+    compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
+                             fullgraph=True)
+    assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())

@@ -1,0 +1,80 @@
+"""The table-batched kernels (interpreted on the CPU in CI) against the float64 references."""
+
+import pytest
+import torch
+
+from embfuse.ops.collection import (Plan, collection_backward, collection_backward_reference, collection_forward,
+                                    collection_reference)
+from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from embfuse.optim.fused import collection_update
+from embfuse.optim.rules import init_flat_state
+from tests.conftest import KERNEL_DEVICE, requires_kernels
+from tests.tolerances import assert_close
+
+# mixed widths (1, 3, 16, 33), a table shared by two features, sum and mean
+TABLES = [(11, 3), (7, 16), (5, 1), (9, 33)]
+FEATURES = [(0, "sum"), (1, "mean"), (0, "mean"), (2, "sum"), (3, "sum")]
+
+
+def batch(B, device, weighted=False, max_len=4):
+    lengths = torch.randint(0, max_len + 1, (len(FEATURES) * B,))
+    lengths[B:2 * B] = 0  # feature 1 is empty in this batch
+    lengths[0] = 0  # and an empty bag
+    feats = torch.arange(len(FEATURES)).repeat_interleave(B).repeat_interleave(lengths)
+    rows = torch.tensor([TABLES[t][0] for t, _ in FEATURES])[feats]
+    values = (torch.rand(feats.numel()) * rows).long()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    psw = torch.rand(values.numel()) + 0.5 if weighted else None
+    return values.to(device), offsets.to(device), None if psw is None else psw.to(device)
+
+
+def plan(device):
+    cols, col = [], 0
+    for t, _ in FEATURES:
+        cols.append(col)
+        col += TABLES[t][1]
+    return Plan(TABLES, [(t, p, c) for (t, p), c in zip(FEATURES, cols)], device)
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype):
+    B = 5
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted)
+    values, offsets = values.to(index_dtype), offsets.to(index_dtype)
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
+    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim)
+    ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta, B,
+                               P.total_dim, P.max_dim)
+    assert_close(out, ref, dtype, reduction=4)
+    grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
+    L = P.layout
+    got = collection_backward(grad, values, offsets, psw, P.meta, L.row_start, L.dims, L.elem_start, B,
+                              P.num_elements, P.max_dim)
+    want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim)
+    assert_close(got, want, dtype, reduction=len(values))
+    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, L.row_start, L.dims,
+                                                L.elem_start, B, P.num_elements, P.max_dim))
+
+
+@requires_kernels
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1, weight_decay=0.01),
+                                 Adam(lr=0.05)], ids=["sgd", "adagrad", "rowwise", "adam"])
+def test_fused_update_kernel_matches_the_reference(opt):
+    B = 6
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=True)
+    base = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    w, w64 = base.clone(), base.double()
+    state = init_flat_state(opt, P.num_rows, P.num_elements, KERNEL_DEVICE)
+    state64 = {k: v.double() for k, v in state.items()}
+    for step in (1, 2):
+        grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE)
+        collection_update(w, state, opt, values, offsets, psw, P, B, grad, step, kernel=True)
+        collection_update(w64, state64, opt, values, offsets, psw.double(), P, B, grad.double(), step, kernel=False)
+    assert_close(w, w64, torch.float32, reduction=8)
+    for k in state:
+        assert_close(state[k], state64[k], torch.float32, reduction=len(values))

@@ -1,0 +1,113 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embfuse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+@st.composite
+def kjts(draw, weighted=None):
+    F = draw(st.integers(0, 4))
+    B = draw(st.integers(1, 4))
+    lengths = draw(st.lists(st.integers(0, 3), min_size=F * B, max_size=F * B))
+    n = sum(lengths)
+    values = torch.tensor(draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)), dtype=torch.int64)
+    w = draw(st.booleans()) if weighted is None else weighted
+    weights = torch.rand(n) if w else None
+    return KeyedJaggedTensor([f"f{i}" for i in range(F)], values, weights, lengths=torch.tensor(lengths, dtype=torch.int64),
+                             stride=B)
+
+
+def per_sample(kjt):
+    """{key: [(ids of sample b, weights of sample b)]}: the meaning of a KJT, layout aside."""
+    out = {}
+    for key, jt in kjt.to_dict().items():
+        o = jt.offsets().tolist()
+        w = jt.weights_or_none()
+        out[key] = [(jt.values()[a:b].tolist(), None if w is None else w[a:b].tolist()) for a, b in zip(o, o[1:])]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(kjts())
+def test_to_dict_and_offsets_agree_with_the_lengths(kjt):
+    d = kjt.to_dict()
+    assert list(d) == kjt.keys()
+    assert [jt.values().numel() for jt in d.values()] == kjt.length_per_key()
+    assert kjt.offsets()[-1] == kjt.values().numel() and kjt.offset_per_key()[-1] == kjt.values().numel()
+    B = kjt.stride()
+    for i, jt in enumerate(d.values()):
+        assert torch.equal(jt.lengths(), kjt.lengths()[i * B:(i + 1) * B])
+        assert sum(len(x) for x in jt.to_dense()) == jt.values().numel()
+    kjt.validate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(kjts(), st.data())
+def test_permute_split_concat_keep_every_sample(kjt, data):
+    F = len(kjt.keys())
+    order = data.draw(st.permutations(range(F)))
+    p = kjt.permute(order)
+    assert p.keys() == [kjt.keys()[i] for i in order]
+    assert per_sample(p) == per_sample(kjt)
+    cuts = sorted(data.draw(st.lists(st.integers(0, F), max_size=3)))
+    segments = [b - a for a, b in zip([0] + cuts, cuts + [F])]
+    parts = kjt.split(segments)
+    assert [len(x.keys()) for x in parts] == segments
+    back = KeyedJaggedTensor.concat(parts)
+    assert back.keys() == kjt.keys() and torch.equal(back.values(), kjt.values())
+    assert torch.equal(back.lengths(), kjt.lengths())
+    if F:
+        assert per_sample(KeyedJaggedTensor.from_jt_dict(kjt.to_dict())) == per_sample(kjt)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kjts())
+def test_to_moves_everything_in_one_buffer(kjt):
+    # on the CPU "meta" stands in for a device: the packed copy is still one tensor
+    moved = kjt.to("meta")
+    assert moved.device().type == "meta" and moved.keys() == kjt.keys()
+    assert moved.values().dtype == kjt.values().dtype and moved.lengths().shape == kjt.lengths().shape
+    assert moved.length_per_key() == kjt.length_per_key()  # computed before the move
+    assert (moved.weights_or_none() is None) == (kjt.weights_or_none() is None)
+
+
+@pytest.mark.gpu
+def test_to_cuda_is_one_copy_and_exact():
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(7), torch.rand(7), lengths=torch.tensor([1, 2, 0, 4]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moved = kjt.pin_memory().to("cuda", non_blocking=True)
+    copies = [e for e in prof.events() if e.name == "aten::copy_" and "cuda" in str(e.device_type).lower() or
+              e.name == "cudaMemcpyAsync"]
+    assert len([e for e in prof.events() if e.name == "cudaMemcpyAsync"]) == 1, copies
+    assert per_sample(moved.to("cpu")) == per_sample(kjt)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lengths=torch.tensor([1, -1, 2, 0])), "feature 'a': lengths\\[1\\] \\(sample 1\\) = -1 is negative"),
+    (dict(lengths=torch.tensor([1, 1, 2, 0])), "lengths add up to 4 but there are 2 values"),
+])
+def test_validate_names_the_problem(bad, message):
+    values = torch.arange(2)
+    with pytest.raises(ValueError, match=message):
+        KeyedJaggedTensor(["a", "b"], values, **bad).validate()
+
+
+def test_constructor_rejects_bad_layouts():
+    with pytest.raises(ValueError, match="keys must be unique"):
+        KeyedJaggedTensor(["a", "a"], torch.arange(2), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="do not split evenly"):
+        KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1, 1]))
+    with pytest.raises(TypeError, match="must be integers"):
+        KeyedJaggedTensor(["a"], torch.rand(2), lengths=torch.tensor([2]))
+    with pytest.raises(KeyError, match="no key 'z'"):
+        KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]))["z"]
+
+
+def test_keyed_tensor_and_jagged_tensor():
+    kt = KeyedTensor(["a", "b"], [2, 3], torch.arange(10.0).reshape(2, 5))
+    assert kt.offset_per_key() == [0, 2, 5]
+    assert torch.equal(kt["b"], torch.tensor([[2.0, 3, 4], [7, 8, 9]]))
+    jt = JaggedTensor(torch.arange(3), offsets=torch.tensor([0, 0, 3]))
+    assert jt.lengths().tolist() == [0, 3] and [x.tolist() for x in jt.to_dense()] == [[], [0, 1, 2]]
