@@ -1,0 +1,1 @@
+"""`embfuse demo`: data, model and training loop."""
