@@ -147,18 +147,21 @@ def segment_rows(PHASE: tl.constexpr, sorted_key, perm, src_row, scale, head, ta
         inside = j < n
         key = tl.load(sorted_key + j, mask=inside, other=-1)
         real = inside & (key >= 0)
-        p = tl.load(perm + j, mask=real, other=0)
+        # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 fails to
+        # compile a load whose mask derives from `key` (layout mismatch, "mask type matches ptr
+        # type") when key also feeds the equal-keys product
+        p = tl.load(perm + j, mask=inside, other=0)
         D, base = _rows_of(key, row_start, dims, elem_start, T_BLOCK)
         if HAS_SRC_ROW:
-            g = tl.load(src_row + p, mask=real, other=0).to(tl.int64)
+            g = tl.load(src_row + p, mask=inside, other=0).to(tl.int64)
         else:
             g = p
         f = g // src_bags
-        s0 = (g - f * src_bags) * src_stride + tl.load(src_col + f, mask=real, other=0)
+        s0 = (g - f * src_bags) * src_stride + tl.load(src_col + f, mask=inside, other=0)
         m2 = real[:, None] & (cols[None, :] < D[:, None])
         x = tl.load(src + s0[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         if HAS_SCALE:
-            x = x * tl.load(scale + p, mask=real, other=0.0).to(tl.float32)[:, None]
+            x = x * tl.load(scale + p, mask=inside, other=0.0).to(tl.float32)[:, None]
         # each row's run total within the tile: a 0/1 matrix of equal keys times the tile, in
         # exact fp32 (ieee: no tf32 rounding) and in a fixed order
         same = key[:, None] == key[None, :]
