@@ -87,6 +87,9 @@ def embedding_time_ms(model, batches, device, steps: int = 20) -> float:
     return timed / max(1, min(steps, k + 1)) * 1e3
 
 
+WARMUP_STEPS = 5  # not timed: Triton compiles each kernel on its first call
+
+
 def train(name, model, data, train_idx, test_idx, args, device, progress=None) -> Result:
     res = Result(name)
     opt = torch.optim.Adam(model.dense_parameters(), lr=args.lr_dense)
@@ -96,6 +99,9 @@ def train(name, model, data, train_idx, test_idx, args, device, progress=None) -
         _sync(device)
         t0 = time.perf_counter()
         for dense, kjt, label in _batches(data, train_idx, args.batch_size, device, seed=args.seed + epoch):
+            if len(res.step_losses) == WARMUP_STEPS:
+                _sync(device)
+                t0, seen = time.perf_counter(), 0
             loss = F.binary_cross_entropy_with_logits(model(dense, kjt), label)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from embfuse._triton import launch, next_pow2, tl, triton
+from embfuse._triton import launch, next_pow2, tl, tracing, triton
 
 _NO_TABLE = 2**62  # pads the table starts so that the in-kernel table search never picks a pad
 
@@ -71,9 +71,18 @@ class Layout:
                       tensor(elem_start + [0] * pad), max(dims, default=0))
 
 
-@functools.lru_cache(maxsize=128)
+def _single_table(num_rows: int, dim: int, device) -> Layout:
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    return Layout(zero, torch.full((1,), dim, dtype=torch.int64, device=device), zero, dim)
+
+
+_single_table_cached = functools.lru_cache(maxsize=128)(_single_table)
+
+
 def single_table(num_rows: int, dim: int, device) -> Layout:
-    return Layout.build([num_rows], [dim], device)
+    """The layout of one (num_rows, dim) table; cached in eager code (sizes are symbolic while
+    tracing, and an lru_cache cannot hash them)."""
+    return _single_table(num_rows, dim, device) if tracing() else _single_table_cached(num_rows, dim, device)
 
 
 def tile_rows(block_d: int) -> int:
