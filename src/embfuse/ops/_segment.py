@@ -109,7 +109,9 @@ class Segments:
         self.src = src
         self.src_row, self.scale = src_row, scale
         self.src_stride = src.stride(0) if src_stride is None else src_stride
-        self.src_bags = 2**62 if src_bags is None else src_bags
+        # one group of bags unless told: every source row g gives g // src_bags == 0 (not a huge
+        # constant: torch 2.11's inductor fails on a 2**62 kernel argument)
+        self.src_bags = max(1, src.shape[0]) if src_bags is None else src_bags
         self.src_col = layout.elem_start[:1] if src_col is None else src_col  # a zero when one table
         dev = keys.device
         self.head = torch.empty(self.tiles, self.block_d, dtype=torch.float32, device=dev)
