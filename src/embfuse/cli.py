@@ -83,7 +83,6 @@ def bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from embfuse.bench.providers import PROVIDERS
     from embfuse.bench.report import markdown, plot, table
     from embfuse.bench.runner import run
     from embfuse.bench.workloads import workloads

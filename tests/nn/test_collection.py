@@ -167,3 +167,4 @@ def test_opcheck_and_compile():
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
+

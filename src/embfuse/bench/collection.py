@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported
+from embfuse.bench.providers import Unsupported, attempt
 from embfuse.bench.workloads import Workload, generate_ids
 
 # the 26 categorical features of Criteo's Kaggle display-advertising set, capped at the
@@ -136,8 +136,9 @@ def measure_collection(w: Workload, device) -> list[dict]:
     rows = []
     for name, make in COLLECTION_PROVIDERS.items():
         row = {"workload": w.name, "provider": name, **counts}
-        try:
-            forward, opt, move, keep = make(w, kjt, device, train)
+
+        def measure(row, make=make):
+            forward, opt, move, _keep = make(w, kjt, device, train)
             grad = torch.randn(w.batch, w.dim * w.tables, device=device)
 
             def step(batch=kjt):
@@ -153,11 +154,7 @@ def measure_collection(w: Workload, device) -> list[dict]:
             step()
             row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
             row.update(_counts(lambda: step(move(host))))
-            del forward, opt, keep
-        except Unsupported as e:
-            row["skipped"] = str(e)
-        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        torch.cuda.empty_cache()
+
+        attempt(row, measure)
         rows.append(row)
     return rows

@@ -16,6 +16,19 @@ class Unsupported(Exception):
     pass
 
 
+def attempt(row: dict, measure) -> None:
+    """Run `measure(row)` (which fills in the figures); a provider that cannot run is recorded
+    in the row as skipped (Unsupported) or as an error, so the other providers are still measured.
+    Whatever `measure` built (tables, modules) is freed when it returns."""
+    try:
+        measure(row)
+    except Unsupported as e:
+        row["skipped"] = str(e)
+    except Exception as e:  # noqa: BLE001 - keep measuring the other providers
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    torch.cuda.empty_cache()
+
+
 def _lookup(lookup, w: Workload, tables, ids, offsets):
     if w.kind == "embedding":
         return lambda: [lookup(ids, t) for t in tables]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import embfuse
-from embfuse.bench.providers import PROVIDERS, Unsupported
+from embfuse.bench.providers import PROVIDERS, attempt
 from embfuse.bench.workloads import WORKLOADS_VERSION, Workload, generate_batch
 
 
@@ -31,7 +31,6 @@ def copy_bandwidth(device, nbytes: int = 1 << 31) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -97,27 +96,26 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
     tables = [torch.randn(w.rows, w.dim, device=device).to(w.torch_dtype) for _ in range(w.tables)]
     ids, offsets = generate_batch(w, device)
     counts = count_bytes(w, ids, offsets)
-    rows, reference = [], None
+    rows, first = [], []
     for name in providers:
         row = {"workload": w.name, "provider": name, **counts}
-        try:
-            with torch.no_grad():
-                fn = PROVIDERS[name](w, tables, ids, offsets)
-                out = fn()
-                if reference is None:
-                    reference = out
-                row["matches_first"] = _close(out, reference, w.torch_dtype)
-                row["us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-                if w.group == "latency":
-                    row["host_us_per_call"] = _host_us(fn)
-                    if name in ("torch", "embfuse"):
-                        row["graph_us"] = _graph_us(fn)
-        except Unsupported as e:
-            row["skipped"] = str(e)
-        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
+
+        @torch.no_grad()
+        def measure(row, name=name):
+            fn = PROVIDERS[name](w, tables, ids, offsets)
+            out = fn()
+            if not first:
+                first.append(out)
+            row["matches_first"] = _close(out, first[0], w.torch_dtype)
+            row["us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            if w.group == "latency":
+                row["host_us_per_call"] = _host_us(fn)
+                if name in ("torch", "embfuse"):
+                    row["graph_us"] = _graph_us(fn)
+
+        attempt(row, measure)
         rows.append(row)
-    del tables, ids, offsets, reference
+    del tables, ids, offsets, first
     torch.cuda.empty_cache()
     return rows
 

@@ -13,7 +13,7 @@ import functools
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported
+from embfuse.bench.providers import Unsupported, attempt
 from embfuse.bench.workloads import Workload, generate_batch
 
 
@@ -142,15 +142,12 @@ def measure_train(w: Workload, device) -> list[dict]:
         row = {"workload": w.name, "provider": name, **count_train_bytes(w, ids, "rowwise" in name)}
         if w.kind == "backward":  # the dense gradient: zeroed and written whole, every step
             row["min_bytes"] += 2 * w.tables * w.rows * w.dim * 4
-        try:
-            step, keep = make(w, ids, device)
+
+        def measure(row, make=make):
+            step, _keep = make(w, ids, device)
             step()
             row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
-            del step, keep
-        except Unsupported as e:
-            row["skipped"] = str(e)
-        except Exception as e:  # noqa: BLE001 - keep measuring the other providers
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        torch.cuda.empty_cache()
+
+        attempt(row, measure)
         rows.append(row)
     return rows

@@ -21,6 +21,8 @@ from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag
                                     validate_collection)
 from embfuse.ops.embedding import embedding
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
+from embfuse.nn.modules import _FusedMixin
+from embfuse.ops._segment import table_starts
 from embfuse.optim.rules import init_flat_state
 from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -64,7 +66,7 @@ class EmbeddingBagConfig(EmbeddingConfig):
     pooling: object = "sum"
 
 
-class _Collection(torch.nn.Module):
+class _Collection(_FusedMixin, torch.nn.Module):
     """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
 
     _prefix = ""  # "embedding_bags" / "embeddings"
@@ -86,17 +88,12 @@ class _Collection(torch.nn.Module):
             if t.num_embeddings <= 0 or t.embedding_dim <= 0:
                 raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
         self.tables = list(tables)
-        self.bounds_check = bounds_check
         self._shapes = [(t.num_embeddings, t.embedding_dim) for t in tables]
-        self._starts = [0]
-        for rows, dim in self._shapes:
-            self._starts.append(self._starts[-1] + rows * dim)
+        self._row_starts, self._starts = table_starts(*zip(*self._shapes))
         self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
         self.reset_parameters()
         self._plans = {}
-        self._fused = None
-        if optimizer is not None:
-            self.set_optimizer(optimizer)
+        self._init_fused(bounds_check, optimizer)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -116,19 +113,12 @@ class _Collection(torch.nn.Module):
     def embedding_weight(self, name: str) -> Tensor:
         return self.table_weights()[[t.name for t in self.tables].index(name)]
 
-    # --- the optimizer in the backward ---
+    # --- the optimizer in the backward (flat state; the step count is _FusedMixin's) ---
     def set_optimizer(self, optimizer) -> None:
-        rows = sum(r for r, _ in self._shapes)
-        state = init_flat_state(optimizer, rows, self.weights.numel(), self.weights.device)
+        state = init_flat_state(optimizer, self._row_starts[-1], self.weights.numel(), self.weights.device)
         for name, tensor in state.items():
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = FusedOptimizer(optimizer, 0, 0, self.weights.device, state=state)
-
-    def _fused_now(self):
-        if self._fused is None or not torch.is_grad_enabled():
-            return None
-        self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
-        return self._fused
 
     # --- TorchRec's state_dict keys ---
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -136,8 +126,6 @@ class _Collection(torch.nn.Module):
         del destination[prefix + "weights"]
         for t, w in zip(self.tables, self.table_weights()):
             destination[f"{prefix}{self._prefix}.{t.name}.weight"] = w if keep_vars else w.detach()
-        if self._fused is not None:
-            destination[prefix + "optimizer_step"] = torch.tensor(self._fused.step)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -154,12 +142,6 @@ class _Collection(torch.nn.Module):
                 value = w.detach()
             parts.append(value.reshape(-1).to(w.dtype))
         state_dict[prefix + "weights"] = torch.cat(parts)
-        step = prefix + "optimizer_step"
-        if self._fused is not None:
-            if step in state_dict:
-                self._fused.step = int(state_dict.pop(step))
-            elif strict:
-                missing_keys.append(step)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -232,27 +214,26 @@ class EmbeddingCollection(_Collection):
         super().__init__(tables, device, optimizer, bounds_check)
         self.embedding_dim = dims.pop()
         self.feature_names = [f for t in tables for f in t.feature_names]
-        row_start = [s // self.embedding_dim for s in self._starts]
-        self._feature = {f: (i, row_start[i]) for i, t in enumerate(tables) for f in t.feature_names}
+        self._table_of = {f: i for i, t in enumerate(tables) for f in t.feature_names}
 
     def set_optimizer(self, optimizer) -> None:
         super().set_optimizer(optimizer)
         # the flat buffer is one (rows, D) table here: element state takes that shape
-        for name, v in self._fused.state.items():
-            if v.numel() == self.weights.numel():
-                self.register_buffer(f"optimizer_{name}", v.view(-1, self.embedding_dim))
-        self._fused.state = {k: getattr(self, f"optimizer_{k}") for k in self._fused.state}
+        for name, (per, _) in optimizer.state_spec().items():
+            if per == "element":
+                self.register_buffer(f"optimizer_{name}",
+                                     getattr(self, f"optimizer_{name}").view(-1, self.embedding_dim))
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plans.get((tuple(keys), self.weights.device))
         if plan is None:
-            feats = [(self._feature[k][0], "sum", 0) for k in keys]
+            feats = [(self._table_of[k], "sum", 0) for k in keys]
             plan = self._plans.setdefault((tuple(keys), self.weights.device),
                                           Plan(self._shapes, feats, self.weights.device))
         values, offsets, _ = validate_collection(
-            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._table_of[k]].name for k in keys],
             self.bounds_check)
         lengths = offsets[1:] - offsets[:-1]
         rows = plan.meta[:, ROW_START][bag_of_value(offsets, values.numel()) // max(B, 1)] + values.long()

@@ -61,14 +61,23 @@ class Layout:
     def build(rows, dims, device) -> "Layout":
         T = len(rows)
         pad = next_pow2(T) - T
-        row_start = [sum(rows[:t]) for t in range(T)]
-        elem_start = [sum(r * d for r, d in zip(rows[:t], dims[:t])) for t in range(T)]
+        row_start, elem_start = table_starts(rows, dims)
 
         def tensor(xs):
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
-        return Layout(tensor(row_start + [_NO_TABLE] * pad), tensor(list(dims) + [0] * pad),
-                      tensor(elem_start + [0] * pad), max(dims, default=0))
+        return Layout(tensor(row_start[:-1] + [_NO_TABLE] * pad), tensor(list(dims) + [0] * pad),
+                      tensor(elem_start[:-1] + [0] * pad), max(dims, default=0))
+
+
+def table_starts(rows, dims) -> tuple[list[int], list[int]]:
+    """First global row and first element of each table packed one after another (T + 1
+    entries each: the last are the totals)."""
+    row, elem = [0], [0]
+    for r, d in zip(rows, dims):
+        row.append(row[-1] + r)
+        elem.append(elem[-1] + r * d)
+    return row, elem
 
 
 def _single_table(num_rows: int, dim: int, device) -> Layout:

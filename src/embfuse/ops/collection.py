@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
-from embfuse.ops._segment import Layout, reduce_segments
+from embfuse.ops._segment import Layout, reduce_segments, table_starts
 from embfuse.ops._validate import can_sync, check_bounds_mode, check_index_dtype
-from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, embedding_bag_reference, pool_bag
+from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_bag
 
 POOLING = {"sum": SUM, "mean": MEAN}
 # columns of Plan.meta, one row per feature
@@ -35,17 +35,15 @@ class Plan:
     the flat buffer, width, first output column, pooling, first global row, rows)."""
 
     def __init__(self, tables: list[tuple[int, int]], features: list[tuple[int, str, int]], device):
-        self.layout = Layout.build([r for r, _ in tables], [d for _, d in tables], device)
-        elem, row = [0], [0]
-        for rows, dim in tables:
-            elem.append(elem[-1] + rows * dim)
-            row.append(row[-1] + rows)
+        rows, dims = [r for r, _ in tables], [d for _, d in tables]
+        self.layout = Layout.build(rows, dims, device)
+        row, elem = table_starts(rows, dims)
         self.rows = [[elem[t], tables[t][1], col, POOLING[pooling], row[t], tables[t][0]]
                      for t, pooling, col in features]
         self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, 6)
         self.out_col = self.meta[:, OUT_COL].contiguous()
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
-        self.max_dim = max((d for _, d in tables), default=0)
+        self.max_dim = self.layout.max_dim
         self.num_elements = elem[-1]
         self.num_rows = row[-1]
         self.tables = [(rows, dim, elem[t], row[t]) for t, (rows, dim) in enumerate(tables)]

@@ -7,6 +7,7 @@ stride B samples, lengths has F * B entries and offsets F * B + 1.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -19,23 +20,26 @@ def _offsets_of(lengths: Tensor) -> Tensor:
     return out
 
 
-class JaggedTensor:
-    """One feature's bags: values[offsets[b]:offsets[b+1]] is sample b's list (and weights)."""
+class _Jagged:
+    """values / weights / lengths / offsets (made from the lengths on first use)."""
 
-    def __init__(self, values: Tensor, weights: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
-                 offsets: Optional[Tensor] = None):
+    _values: Tensor
+    _weights: Optional[Tensor]
+    _lengths: Tensor
+    _offsets: Optional[Tensor]
+
+    def _set(self, values, weights, lengths, offsets):
         if lengths is None and offsets is None:
-            raise ValueError("a JaggedTensor needs lengths or offsets")
-        self._values, self._weights = values, weights
+            raise ValueError(f"a {type(self).__name__} needs lengths or offsets")
+        self._values, self._weights, self._offsets = values, weights, offsets
         self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
-        self._offsets = offsets if offsets is not None else _offsets_of(lengths)
 
     def values(self) -> Tensor:
         return self._values
 
     def weights(self) -> Tensor:
         if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights")
+            raise ValueError(f"this {type(self).__name__} has no weights")
         return self._weights
 
     def weights_or_none(self) -> Optional[Tensor]:
@@ -45,7 +49,17 @@ class JaggedTensor:
         return self._lengths
 
     def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = _offsets_of(self._lengths)
         return self._offsets
+
+
+class JaggedTensor(_Jagged):
+    """One feature's bags: values[offsets[b]:offsets[b+1]] is sample b's list (and weights)."""
+
+    def __init__(self, values: Tensor, weights: Optional[Tensor] = None, lengths: Optional[Tensor] = None,
+                 offsets: Optional[Tensor] = None):
+        self._set(values, weights, lengths, offsets)
 
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample."""
@@ -55,7 +69,7 @@ class JaggedTensor:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_Jagged):
     """keys: feature names (unique); values: all ids, key-major; lengths or offsets (F * B [+1]);
     weights: optional per-value floats; stride: B (inferred from the lengths when omitted)."""
 
@@ -66,15 +80,11 @@ class KeyedJaggedTensor:
         if len(set(self._keys)) != len(self._keys):
             dup = next(k for k in self._keys if self._keys.count(k) > 1)
             raise ValueError(f"keys must be unique; {dup!r} appears more than once")
-        if lengths is None and offsets is None:
-            raise ValueError("a KeyedJaggedTensor needs lengths or offsets")
         if values.dim() != 1:
             raise ValueError(f"values must be 1-D, got shape {tuple(values.shape)}")
         if values.is_floating_point():
             raise TypeError(f"values are ids and must be integers, got {values.dtype}")
-        self._values, self._weights = values, weights
-        self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
-        self._offsets = offsets
+        self._set(values, weights, lengths, offsets)
         F = len(self._keys)
         n = self._lengths.numel()
         if stride is None:
@@ -90,25 +100,6 @@ class KeyedJaggedTensor:
     def keys(self) -> list[str]:
         return self._keys
 
-    def values(self) -> Tensor:
-        return self._values
-
-    def weights(self) -> Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[Tensor]:
-        return self._weights
-
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    def offsets(self) -> Tensor:
-        if self._offsets is None:
-            self._offsets = _offsets_of(self._lengths)
-        return self._offsets
-
     def stride(self) -> int:
         return self._stride
 
@@ -123,10 +114,7 @@ class KeyedJaggedTensor:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        out = [0]
-        for n in self.length_per_key():
-            out.append(out[-1] + n)
-        return out
+        return list(itertools.accumulate(self.length_per_key(), initial=0))
 
     @staticmethod
     def from_lengths_sync(keys, values, lengths, weights=None, stride=None) -> "KeyedJaggedTensor":
@@ -296,10 +284,7 @@ class KeyedTensor:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        out = [0]
-        for n in self._length_per_key:
-            out.append(out[-1] + n)
-        return out
+        return list(itertools.accumulate(self._length_per_key, initial=0))
 
     def to_dict(self) -> dict[str, Tensor]:
         return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=self._key_dim)))
