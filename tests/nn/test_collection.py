@@ -168,3 +168,16 @@ def test_opcheck_and_compile():
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_collection_with_a_fused_optimizer(device):
+    ts = [EmbeddingConfig(num_embeddings=20, embedding_dim=4, name="user", feature_names=["uid"]),
+          EmbeddingConfig(num_embeddings=9, embedding_dim=4, name="item", feature_names=["iid"])]
+    ec = EmbeddingCollection(ts, device=device, optimizer=embfuse.optim.Adagrad(lr=0.1))
+    before = ec.weights.detach().clone()
+    kjt = KeyedJaggedTensor(["uid", "iid"], torch.tensor([3, 8]), lengths=torch.tensor([1, 1])).to(device)
+    ec(kjt)["iid"].values().sum().backward()
+    assert ec.weights.grad is None and ec.optimizer_sum.shape == (29, 4)
+    changed = (ec.weights != before).nonzero().flatten().tolist()
+    assert changed == [112, 113, 114, 115]  # item row 8 = global row 28, its 4 elements
+    assert torch.allclose(ec.weights[112:116], before[112:116] - 0.1, atol=1e-6)  # Adagrad's first step: lr * sign

@@ -221,8 +221,8 @@ class EmbeddingCollection(_Collection):
         # the flat buffer is one (rows, D) table here: element state takes that shape
         for name, (per, _) in optimizer.state_spec().items():
             if per == "element":
-                self.register_buffer(f"optimizer_{name}",
-                                     getattr(self, f"optimizer_{name}").view(-1, self.embedding_dim))
+                dim = self._shapes[0][1]  # (set before EmbeddingCollection's own attributes)
+                self.register_buffer(f"optimizer_{name}", getattr(self, f"optimizer_{name}").view(-1, dim))
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         kjt = self._features(features)
