@@ -16,13 +16,15 @@ TABLES = [(11, 3), (7, 16), (5, 1), (9, 33)]
 FEATURES = [(0, "sum"), (1, "mean"), (0, "mean"), (2, "sum"), (3, "sum")]
 
 
-def batch(B, device, weighted=False, max_len=4):
+def batch(B, device, weighted=False, max_len=4, hot=False):
     lengths = torch.randint(0, max_len + 1, (len(FEATURES) * B,))
     lengths[B:2 * B] = 0  # feature 1 is empty in this batch
     lengths[0] = 0  # and an empty bag
     feats = torch.arange(len(FEATURES)).repeat_interleave(B).repeat_interleave(lengths)
     rows = torch.tensor([TABLES[t][0] for t, _ in FEATURES])[feats]
     values = (torch.rand(feats.numel()) * rows).long()
+    if hot:  # most ids on one row per table: runs much longer than a tile, several levels
+        values = torch.where(torch.rand(values.numel()) < 0.8, rows // 2, values)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     psw = torch.rand(values.numel()) + 0.5 if weighted else None
     return values.to(device), offsets.to(device), None if psw is None else psw.to(device)
@@ -52,12 +54,10 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     assert_close(out, ref, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
     L = P.layout
-    got = collection_backward(grad, values, offsets, psw, P.meta, L.row_start, L.dims, L.elem_start, B,
-                              P.num_elements, P.max_dim)
+    got = collection_backward(grad, values, offsets, psw, P.meta, L, B, P.num_elements)
     want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim)
     assert_close(got, want, dtype, reduction=len(values))
-    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, L.row_start, L.dims,
-                                                L.elem_start, B, P.num_elements, P.max_dim))
+    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, L, B, P.num_elements))
 
 
 @requires_kernels
@@ -78,3 +78,27 @@ def test_fused_update_kernel_matches_the_reference(opt):
     assert_close(w, w64, torch.float32, reduction=8)
     for k in state:
         assert_close(state[k], state64[k], torch.float32, reduction=len(values))
+
+
+@requires_kernels
+@pytest.mark.parametrize("opt", [None, SGD(lr=0.1), RowWiseAdagrad(lr=0.1)], ids=["grad", "sgd", "rowwise"])
+def test_hot_rows_of_many_tables_through_every_level(opt):
+    """~5000 ids, 80% on one row of each table: level 1 (32 ids a tile), 2 and 3 all carry runs
+    across tile edges, with entries of different tables (and none) side by side."""
+    B = 48
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=True, max_len=40, hot=True)
+    grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE)
+    if opt is None:
+        got = collection_backward(grad, values, offsets, psw, P.meta, P.layout, B, P.num_elements)
+        want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements,
+                                             P.max_dim)
+        assert_close(got, want, torch.float32, reduction=len(values))
+        return
+    base = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    w, w64 = base.clone(), base.double()
+    state = init_flat_state(opt, P.num_rows, P.num_elements, KERNEL_DEVICE)
+    state64 = {k: v.double() for k, v in state.items()}
+    collection_update(w, state, opt, values, offsets, psw, P, B, grad, 1, kernel=True)
+    collection_update(w64, state64, opt, values, offsets, psw.double(), P, B, grad.double(), 1, kernel=False)
+    assert_close(w, w64, torch.float32, reduction=len(values))

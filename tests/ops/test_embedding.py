@@ -79,8 +79,8 @@ def test_opcheck_and_compile(device):
 @pytest.mark.parametrize("freq", [False, True])
 @pytest.mark.parametrize("D", [3, 129])
 def test_backward_hot_row_spanning_tiles(freq, D):
-    """A row seen hundreds of times spans several tiles (D=3: 1024 positions a tile, 2 tiles;
-    D=129: 16 a tile, 57 tiles, more than one step of the cross-tile sum)."""
+    """A row seen hundreds of times spans many tiles (D=3: 128 positions a tile, two levels;
+    D=129: 16 a tile: four levels, the hot row crossing tiles in three)."""
     n = 1200
     ids = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
     ids[: n * 3 // 4] = 9

@@ -6,25 +6,26 @@ with c_r = 1 / count_r under scale_grad_by_freq, else 1; key -1 means "no row" (
 skipped id). Rows live in a `Layout`: one or many tables of any widths packed in one flat buffer
 (a single table is the case T = 1), so one launch serves a whole table collection.
 
-The keys are sorted once. Phase 1 gives each program a tile of BLOCK_K consecutive sorted
+The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
 positions: it gathers their gradient rows as one 2-D tile (all loads in flight) and sums runs of
-equal keys by multiplying the tile with the 0/1 matrix of equal keys. A run that starts and ends in the tile is finished there; the
-partial sums of runs that cross a tile edge go to small per-tile buffers, and in phase 2 the tile
-where such a run starts adds them in tile order. Fixed orders throughout: bitwise the same result
-every call, no atomics, and nothing read back to the host (so the backward runs in CUDA graphs).
-Rows no key touches keep what the output held (zeros for a dense gradient).
+equal keys by multiplying the tile with the 0/1 matrix of equal keys (on the tensor cores, exact
+to fp32). A run that starts and ends in the tile is finished there. The partial sums of runs
+that cross a tile edge become the entries of level 2, the same problem a tile's size times
+smaller, and so on until one tile holds the rest: a hot row met a million times is finished
+after a few levels of parallel tiles, never by one program walking its run. Fixed orders
+throughout: bitwise the same result every call, no atomics, and nothing read back to the host
+(so the backward runs in CUDA graphs). Rows no key touches keep what the output held (zeros for
+a dense gradient).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from embfuse._triton import launch, next_pow2, tl, tracing, triton
-
-_NO_TABLE = 2**62  # pads the table starts so that the in-kernel table search never picks a pad
-
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
     """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
@@ -49,25 +50,26 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 
 
 class Layout:
-    """Where the rows of T tables live in one flat buffer: table t holds rows
-    row_start[t] .. row_start[t+1]-1 (global row numbers, the sort keys) of width dims[t],
-    starting at element elem_start[t]. Device tensors, padded to a power of two for the kernel."""
+    """How the rows of T tables sit in one flat buffer, as the reduction needs to know it (host
+    values): the widest width, the power of two dividing every width (the vector width of row
+    accesses), and whether sort keys need 64 bits. A sort key names a row as (t << shift) | row
+    in table t, so keys sort in table order and fit 32 bits for nearly every collection. Where
+    each row's gradient and weights lie comes with the keys (Segments' src_meta); a lone table
+    brings its own."""
 
-    def __init__(self, row_start, dims, elem_start, max_dim: int):
-        self.row_start, self.dims, self.elem_start, self.max_dim = row_start, dims, elem_start, max_dim
-        self.t_block = row_start.numel()
+    def __init__(self, max_dim: int, vec: int, wide_keys: bool, shift: int = 0, own_source=None):
+        self.max_dim, self.vec, self.wide_keys, self.shift = max_dim, vec, wide_keys, shift
+        self.own_source = own_source
 
     @staticmethod
-    def build(rows, dims, device) -> "Layout":
-        T = len(rows)
-        pad = next_pow2(T) - T
-        row_start, elem_start = table_starts(rows, dims)
+    def build(rows, dims) -> "Layout":
+        shift = key_shift(rows)
+        return Layout(max(dims, default=0), _pow2_factor(*dims), shift + (len(rows) - 1).bit_length() > 31, shift)
 
-        def tensor(xs):
-            return torch.tensor(xs, dtype=torch.int64, device=device)
 
-        return Layout(tensor(row_start[:-1] + [_NO_TABLE] * pad), tensor(list(dims) + [0] * pad),
-                      tensor(elem_start[:-1] + [0] * pad), max(dims, default=0))
+def key_shift(rows) -> int:
+    """Bits of a row number within the largest table: the shift of the table in a sort key."""
+    return max(rows, default=0).bit_length()
 
 
 def table_starts(rows, dims) -> tuple[list[int], list[int]]:
@@ -81,8 +83,9 @@ def table_starts(rows, dims) -> tuple[list[int], list[int]]:
 
 
 def _single_table(num_rows: int, dim: int, device) -> Layout:
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    return Layout(zero, torch.full((1,), dim, dtype=torch.int64, device=device), zero, dim)
+    # one feature: gradient column 0, width dim, weights and global rows from 0
+    source = torch.tensor([[0, dim, 0, 0]], dtype=torch.int64, device=device)
+    return Layout(dim, _pow2_factor(dim), key_shift([num_rows]) > 31, 0, source)
 
 
 _single_table_cached = functools.lru_cache(maxsize=128)(_single_table)
@@ -94,153 +97,197 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
     return _single_table(num_rows, dim, device) if tracing() else _single_table_cached(num_rows, dim, device)
 
 
-def tile_rows(block_d: int) -> int:
-    """Sorted positions per phase-1 program: 16 to 32 (tl.dot needs 16; the equal-keys product
-    costs BLOCK_K multiply-adds per gathered element, so no more)."""
-    return max(16, min(32, 2048 // block_d))
+def level_shape(block_d: int) -> tuple[int, int]:
+    """(entries a tile, warps) of every level: tiles of about 2048 fp32 values, 16 (tl.dot's
+    minimum) to 128 entries, 4 warps. Measured on an H100 at D=128 (26-table Criteo step, 21M
+    ids): 16 entries / 4 warps beat 16/8 and 32/8 at level 1 (9.1 against 10.1 and 12.1 ms)
+    and 32/4, 32/8, 64/8 at later levels (0.93 against 1.6, 1.3 and 3.8 ms)."""
+    return max(16, min(128, 2048 // block_d)), 4
+
+
+def _pow2_factor(*xs) -> int:
+    """The largest power of two (at most 8) dividing every x: the vector width of row accesses."""
+    g = functools.reduce(math.gcd, [int(x) for x in xs], 0) or 8
+    return min(8, g & -g)
 
 
 class Segments:
-    """The sorted keys and the per-tile buffers of one reduction (device tensors, no host read).
+    """The sorted keys of one reduction and the buffers of its levels (device tensors, no host read).
 
-    keys[p]: global row of position p or -1. Position p's gradient row starts at element
-    (g % src_bags) * src_stride + src_col[g // src_bags] of src, g = src_row[p] (or p): the
-    bag (feature-major over src_bags samples) whose output p fed."""
+    keys[p]: sort key of position p's row (see Layout) or -1. Position p's gradient row is the
+    D = src_meta[f, 1] elements from element (g % src_bags) * src_stride + src_meta[f, 0] of
+    src, g = src_row[p] (or p): the bag (feature-major over src_bags samples) whose output p
+    fed, f = g // src_bags its feature. The row's first weight element is src_meta[f, 2] +
+    key * D and its global row src_meta[f, 3] + key."""
 
     def __init__(self, keys, layout: Layout, src, src_row=None, scale=None, src_stride=None, src_bags=None,
-                 src_col=None):
-        n = keys.numel()
+                 src_meta=None):
         self.layout = layout
+        self.n = keys.numel()
         self.block_d = max(16, next_pow2(layout.max_dim))  # tl.dot needs 16
-        self.block_k = tile_rows(self.block_d)
-        self.n, self.tiles = n, triton.cdiv(n, self.block_k)
-        self.sorted_key, self.perm = torch.sort(keys.long(), stable=True)
+        # int32 keys sort in half the radix passes of int64 ones
+        keys = keys.long() if layout.wide_keys else keys.int()
+        self.sorted_key, self.perm = torch.sort(keys, stable=True)
         self.src = src
         self.src_row, self.scale = src_row, scale
         self.src_stride = src.stride(0) if src_stride is None else src_stride
         # one group of bags unless told: every source row g gives g // src_bags == 0 (not a huge
         # constant: torch 2.11's inductor fails on a 2**62 kernel argument)
         self.src_bags = max(1, src.shape[0]) if src_bags is None else src_bags
-        self.src_col = layout.elem_start[:1] if src_col is None else src_col  # a zero when one table
-        dev = keys.device
-        self.head = torch.empty(self.tiles, self.block_d, dtype=torch.float32, device=dev)
-        self.tail = torch.empty(self.tiles, self.block_d, dtype=torch.float32, device=dev)
-        self.counts = torch.empty(2, self.tiles, dtype=torch.int32, device=dev)
+        self.src_meta = layout.own_source if src_meta is None else src_meta
+        # row starts in the weights and in src (columns: sums of widths) share the widths' factor
+        self.vec = _pow2_factor(layout.vec, self.src_stride)
 
     def launch(self, kernel, *args, count=False, **constexprs):
-        """Both phases; `args` follow the kernel's shared leading arguments."""
-        L = self.layout
-        for phase in (1, 2):
-            launch(kernel)[(self.tiles,)](
-                self.sorted_key, self.perm, self.src_row if self.src_row is not None else self.perm,
-                self.scale if self.scale is not None else self.head, self.head, self.tail, self.counts,
-                self.n, self.tiles, self.src, self.src_stride, self.src_bags, self.src_col,
-                L.row_start, L.dims, L.elem_start, *args,
-                PHASE=phase, HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None, COUNT=count,
-                T_BLOCK=L.t_block, BLOCK_K=self.block_k, BLOCK_D=self.block_d, **constexprs,
+        """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
+        sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
+        tile: the run coming in, the run going on) are the input of the next level, a problem
+        a tile's size times smaller, until one tile holds everything."""
+        dev = self.sorted_key.device
+        keys, n, src, stride, info_in, first = self.sorted_key, self.n, self.src, self.src_stride, None, True
+        while True:
+            block_k, warps = level_shape(self.block_d)
+            tiles = triton.cdiv(n, block_k)
+            last = tiles == 1
+            if last:
+                keys_out = vals_out = info_out = keys  # not written
+            else:
+                keys_out = torch.empty(2 * tiles, dtype=keys.dtype, device=dev)
+                vals_out = torch.empty(2 * tiles, self.block_d, dtype=torch.float32, device=dev)
+                info_out = torch.empty(2 * tiles, 2, dtype=torch.int32, device=dev)
+            launch(kernel)[(tiles,)](
+                keys, n, self.perm, self.src_row if self.src_row is not None else self.perm,
+                self.scale if self.scale is not None else src, src, stride, self.src_bags, self.src_meta,
+                info_in if info_in is not None else keys, keys_out, vals_out, info_out, *args,
+                FIRST=first, LAST=last, HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None,
+                COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=self.block_d, num_warps=warps,
+                **constexprs,
             )
+            if last:
+                return
+            keys, n, src, stride, info_in, first = keys_out, 2 * tiles, vals_out, self.block_d, info_out, False
 
 
 @triton.jit
-def _rows_of(key, row_start, dims, elem_start, T_BLOCK: tl.constexpr):
-    """Width and first element of each global row in `key` (any shape [R])."""
-    starts = tl.load(row_start + tl.arange(0, T_BLOCK))
-    t = tl.maximum(tl.sum((starts[None, :] <= key[:, None]).to(tl.int32), axis=1) - 1, 0)
-    D = tl.load(dims + t)
-    return D, tl.load(elem_start + t) + (key - tl.load(row_start + t)) * D
+def _tf32_part(x):
+    """x with its 13 low mantissa bits cleared: exact as a tf32 operand of the tensor cores."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def segment_rows(PHASE: tl.constexpr, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles,
-                 src, src_stride, src_bags, src_col, row_start, dims, elem_start,
-                 HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
-                 T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """For this program: (key [R], width [R], first element [R], fp32 sums [R, BLOCK_D], run
-    lengths [R], mask of the rows this program finishes [R]); R = BLOCK_K in phase 1, 1 in 2."""
+def _sum_equal(same, x):
+    """same @ x for a 0/1 matrix `same`, to fp32 accuracy on the tensor cores: x is split into
+    three tf32 parts (hi + mid + lo == x exactly), so every product is exact and only the fp32
+    accumulation rounds. (tf32, not bf16: the interpreter multiplies bf16 operands wrongly.)"""
+    s = same.to(tl.float32)
+    hi = _tf32_part(x)
+    r = x - hi
+    mid = _tf32_part(r)
+    acc = tl.dot(s, r - mid, input_precision="tf32")
+    acc = tl.dot(s, mid, acc, input_precision="tf32")
+    return tl.dot(s, hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
+                 info_out, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One tile of one level. Returns, for its BLOCK_K entries: (global row, width, first element,
+    fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the entries
+    are sorted positions, gathered from src; later levels read the partial rows of the one before,
+    and each entry's (source feature, count) from `info_in`. The row's table
+    is never looked up from the key: per-row gathers from the table arrays cost several times
+    the tile's own work (measured: Triton replicates anything derived from the key per thread)."""
     tile = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     first = tile * BLOCK_K
     last = tl.minimum(first + BLOCK_K, n) - 1
-    prev = tl.load(sorted_key + first - 1, mask=tile > 0, other=-2)
-    if PHASE == 1:
-        j = first + tl.arange(0, BLOCK_K)
-        inside = j < n
-        key = tl.load(sorted_key + j, mask=inside, other=-1)
-        real = inside & (key >= 0)
-        # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 fails to
-        # compile a load whose mask derives from `key` (layout mismatch, "mask type matches ptr
-        # type") when key also feeds the equal-keys product
+    j = first + tl.arange(0, BLOCK_K)
+    inside = j < n
+    key = tl.load(keys + j, mask=inside, other=-1)
+    real = inside & (key >= 0)
+    prev = tl.load(keys + first - 1, mask=tile > 0, other=-2)
+    nxt = tl.load(keys + j + 1, mask=j + 1 < n, other=-2)
+    # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 fails to
+    # compile a load whose mask derives from `key` (layout mismatch, "mask type matches ptr
+    # type") when key also feeds the equal-keys product
+    if FIRST:
+        covered = j < 0
         p = tl.load(perm + j, mask=inside, other=0)
-        D, base = _rows_of(key, row_start, dims, elem_start, T_BLOCK)
         if HAS_SRC_ROW:
             g = tl.load(src_row + p, mask=inside, other=0).to(tl.int64)
         else:
             g = p
         f = g // src_bags
-        s0 = (g - f * src_bags) * src_stride + tl.load(src_col + f, mask=inside, other=0)
-        m2 = real[:, None] & (cols[None, :] < D[:, None])
-        x = tl.load(src + s0[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        s0 = tl.multiple_of((g - f * src_bags) * src_stride + tl.load(src_meta + 4 * f, mask=inside, other=0), VEC)
+        D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
+        # in groups of VEC columns (every width is a multiple): 16-byte loads
+        m_src = real[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
+        x = tl.load(src + s0[:, None] + cols[None, :], mask=m_src, other=0.0).to(tl.float32)
         if HAS_SCALE:
             x = x * tl.load(scale + p, mask=inside, other=0.0).to(tl.float32)[:, None]
-        # each row's run total within the tile: a 0/1 matrix of equal keys times the tile, in
-        # exact fp32 (ieee: no tf32 rounding) and in a fixed order
-        same = key[:, None] == key[None, :]
-        acc = tl.dot(same.to(tl.float32), x, input_precision="ieee")
-        cnt = tl.sum((same & real[None, :]).to(tl.int32), axis=1)
-        nxt = tl.load(sorted_key + j + 1, mask=j + 1 < n, other=-2)
-        ends = inside & (nxt != key)
-        # partial sums of the runs crossing the tile's edges: the first run's if it began
-        # before this tile, the last run's if it goes on after it
-        head_row = (j == first) & (key == prev)
-        tail_row = (j == last) & ~ends
-        at = tile * BLOCK_D + cols[None, :] + 0 * j[:, None]
-        tl.store(head + at, acc, mask=head_row[:, None])
-        tl.store(tail + at, acc, mask=tail_row[:, None])
-        if COUNT:
-            tl.store(counts + tile + 0 * j, cnt, mask=head_row)
-            tl.store(counts + tiles + tile + 0 * j, cnt, mask=tail_row)
-        done = real & ends & (key != prev)
     else:
-        # the tile where a crossing run starts adds the pieces the later tiles left, in order
-        k = tl.load(sorted_key + last)
-        nxt = tl.load(sorted_key + last + 1, mask=last + 1 < n, other=-2)
-        todo = (nxt == k) & (k != prev) & (k >= 0)
-        acc1 = tl.where(todo, tl.load(tail + tile * BLOCK_D + cols), 0.0)  # (in bounds either way)
-        cnt1 = tl.where(todo, tl.load(counts + tiles + tile), 0)
-        q0 = tile + 1
-        more = todo
-        while more:
-            q = q0 + tl.arange(0, 16)
-            valid = (q < tiles) & (tl.load(sorted_key + q * BLOCK_K, mask=q < tiles, other=-2) == k)
-            acc1 += tl.sum(tl.load(head + q[:, None] * BLOCK_D + cols[None, :], mask=valid[:, None], other=0.0),
-                           axis=0)
-            if COUNT:
-                cnt1 += tl.sum(tl.load(counts + q, mask=valid, other=0), axis=0)
-            more = tl.sum(valid.to(tl.int32), axis=0) == 16
-            q0 += 16
-        key = tl.full([1], 0, tl.int64) + k
-        D, base = _rows_of(key, row_start, dims, elem_start, T_BLOCK)
-        acc = acc1[None, :]
-        cnt = tl.full([1], 0, tl.int32) + cnt1
-        done = tl.full([1], 0, tl.int1) | todo
-    return key, D, base, acc, cnt, done
+        # partial rows (zero past their width); an odd (tail) entry with its tile's head key is
+        # a run that covered the whole tile: already in the head entry, left unwritten
+        covered = (j % 2 == 1) & (tl.load(keys + j - 1, mask=inside & (j > 0), other=-1) == key)
+        x = tl.load(src + j[:, None] * BLOCK_D + cols[None, :], mask=(real & ~covered)[:, None], other=0.0)
+        f = tl.load(info_in + 2 * j, mask=inside, other=0).to(tl.int64)
+        D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
+    # the row's table from the source side: its feature's first element and global row of key 0
+    base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=inside, other=0) + key * D, VEC)
+    row = tl.load(src_meta + 4 * f + 3, mask=inside, other=0) + key
+    # each key's total within the tile, in a fixed order: the 0/1 matrix of equal keys times the tile
+    same = key[:, None] == key[None, :]
+    acc = _sum_equal(same, x)
+    if COUNT:
+        if FIRST:
+            cnt = tl.sum((same & real[None, :]).to(tl.int32), axis=1)
+        else:
+            c = tl.where(covered, 0, tl.load(info_in + 2 * j + 1, mask=inside, other=0))
+            cnt = tl.sum(tl.where(same & real[None, :], c[None, :], 0), axis=1)
+    else:
+        cnt = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ends = inside & (nxt != key)
+    # runs crossing the tile's edges: the first one if it began before this tile, the last one
+    # if it goes on after it; they are finished by a later level
+    head_row = real & (j == first) & (key == prev)
+    tail_row = real & (j == last) & ~ends
+    if not LAST:
+        slot = 2 * tile + 0 * j
+        # the next level's entries of this tile: its head run's partial, then its tail run's
+        # (the same key, and no row written, when one run covers the whole tile: its partial is
+        # the head's; the next level knows it by the key)
+        tail_new = tail_row & (key != prev)
+        tl.store(keys_out + slot, tl.where(head_row, key, -1), mask=j == first)
+        tl.store(keys_out + slot + 1, tl.where(tail_row, key, -1), mask=j == last)
+        at = slot[:, None] * BLOCK_D + cols[None, :]
+        tl.store(vals_out + at, acc, mask=head_row[:, None])
+        tl.store(vals_out + at + BLOCK_D, acc, mask=tail_new[:, None])
+        # (every slot gets a feature: the next level reads it for any entry, real or not)
+        info = info_out + 2 * slot
+        tl.store(info, tl.where(head_row, f, 0).to(tl.int32), mask=j == first)
+        tl.store(info + 2, tl.where(tail_row, f, 0).to(tl.int32), mask=j == last)
+        if COUNT:
+            tl.store(info + 1, cnt, mask=head_row)
+            tl.store(info + 3, cnt, mask=tail_row)
+    done = real & ends & (key != prev)
+    return row, D, base, acc, cnt, done
 
 
 @triton.jit
 def _segment_grad_kernel(
-    sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
-    row_start, dims, elem_start, grad,
-    PHASE: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
-    T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, grad,
+    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    key, D, base, acc, cnt, done = segment_rows(
-        PHASE, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
-        row_start, dims, elem_start, HAS_SRC_ROW, HAS_SCALE, COUNT, T_BLOCK, BLOCK_K, BLOCK_D)
+    _row, D, base, acc, cnt, done = segment_rows(
+        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
+        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
     cols = tl.arange(0, BLOCK_D)
     tl.store(grad + base[:, None] + cols[None, :], acc.to(grad.dtype.element_ty),
-             mask=done[:, None] & (cols[None, :] < D[:, None]))
+             mask=done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None]))
 
 
 def reduce_segments(keys, layout: Layout, src, out, scale_by_freq=False, **src_args):

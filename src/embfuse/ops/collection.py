@@ -5,7 +5,7 @@
 Bags are key-major (TorchRec's layout: feature 0's B bags, then feature 1's); feature f reads
 table t(f) (features may share a table) of width D_f = D_t(f), pools by sum or mean, and writes
 its columns of the (B, sum of D_f) output. All tables live in one flat weight buffer laid out by
-a `Layout` (ops/_segment.py), so the backward (and a fused optimizer) is one sort and two
+a `Layout` (ops/_segment.py), so the backward (and a fused optimizer) is one sort and a few
 launches for the whole collection, whatever the number of tables.
 """
 
@@ -24,7 +24,7 @@ from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_b
 
 POOLING = {"sum": SUM, "mean": MEAN}
 # columns of Plan.meta, one row per feature
-ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS = range(6)
+ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = range(7)
 
 
 class Plan:
@@ -32,22 +32,32 @@ class Plan:
 
     tables: (rows, dim) of each table; features: (table index, pooling, first output column)
     of each feature, in the order of the batch's keys. meta[f] = (first element of f's table in
-    the flat buffer, width, first output column, pooling, first global row, rows)."""
+    the flat buffer, width, first output column, pooling, first global row, rows, sort key of the
+    table's row 0: see Layout)."""
 
     def __init__(self, tables: list[tuple[int, int]], features: list[tuple[int, str, int]], device):
         rows, dims = [r for r, _ in tables], [d for _, d in tables]
-        self.layout = Layout.build(rows, dims, device)
+        self.layout = Layout.build(rows, dims)
         row, elem = table_starts(rows, dims)
-        self.rows = [[elem[t], tables[t][1], col, POOLING[pooling], row[t], tables[t][0]]
+        self.rows = [[elem[t], tables[t][1], col, POOLING[pooling], row[t], tables[t][0], t << self.layout.shift]
                      for t, pooling, col in features]
-        self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, 6)
-        self.out_col = self.meta[:, OUT_COL].contiguous()
+        self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, KEY_START + 1)
+        self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim
         self.num_elements = elem[-1]
         self.num_rows = row[-1]
         self.tables = [(rows, dim, elem[t], row[t]) for t, (rows, dim) in enumerate(tables)]
         self.feature_table = [t for t, _, _ in features]
+
+
+def source_meta(meta: Tensor) -> Tensor:
+    """Per feature, what the backward kernels read about it (ops/_segment.py Segments): its first
+    column in the pooled output, its width, and the first element and global row of its table
+    less its sort-key start (so that key * width and key are added directly)."""
+    D = meta[:, DIM]
+    return torch.stack([meta[:, OUT_COL], D, meta[:, ELEM_START] - meta[:, KEY_START] * D,
+                        meta[:, ROW_START] - meta[:, KEY_START]], 1).contiguous()
 
 
 def bag_of_value(offsets: Tensor, n: int) -> Tensor:
@@ -98,24 +108,24 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 
 @triton.jit
 def _collection_fwd_kernel(
-    weights, values, offsets, psw, meta, out, B, stride_o,
+    weights, values, offsets, psw, meta, out, B, stride_o, stride_m,
     HAS_PSW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
     first_col = tl.program_id(1) * BLOCK_D
-    D = tl.load(meta + f * 6 + 1)
+    D = tl.load(meta + f * stride_m + 1)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = cols < D
         start = tl.load(offsets + g).to(tl.int64)
         end = tl.load(offsets + g + 1).to(tl.int64)
-        result, _ = pool_bag(weights + tl.load(meta + f * 6), values, psw, start, end, cols, cmask, D, -1,
+        result, _ = pool_bag(weights + tl.load(meta + f * stride_m), values, psw, start, end, cols, cmask, D, -1,
                              0, HAS_PSW, False, BLOCK_L, BLOCK_D, EVICT)
-        if tl.load(meta + f * 6 + 3) == 1:  # mean
+        if tl.load(meta + f * stride_m + 3) == 1:  # mean
             result = result / tl.maximum(end - start, 1).to(tl.float32)
         b = g - f * B
-        tl.store(out + b * stride_o + tl.load(meta + f * 6 + 2) + cols, result.to(out.dtype.element_ty), mask=cmask)
+        tl.store(out + b * stride_o + tl.load(meta + f * stride_m + 2) + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim):
@@ -126,30 +136,29 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     avg = next_pow2(max(1, values.numel() // max(1, F * B)))
     cfg = _config(max_dim, avg) if tracing() else _config_cached(max_dim, avg)
     launch(_collection_fwd_kernel)[(F * B, triton.cdiv(max_dim, cfg["BLOCK_D"]))](
-        weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0),
+        weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0), meta.stride(0),
         HAS_PSW=psw is not None, **cfg)
     return out
 
 
 def backward_inputs(values, offsets, psw, meta, B):
-    """Per value: (global row = sort key, bag, scale or None)."""
+    """Per value: (sort key of its row, see Layout; bag; scale)."""
     bag = bag_of_value(offsets, values.numel())
     f = bag // max(B, 1)
-    keys = meta[:, ROW_START][f] + values.long()
+    keys = meta[:, KEY_START][f] + values.long()
     lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(torch.float32)
     scale = torch.where(meta[:, POOL][f] == MEAN, 1.0 / lengths, 1.0)
     return keys, bag, scale if psw is None else psw.to(torch.float32) * scale
 
 
-def collection_backward(grad, values, offsets, psw, meta, row_start, dims, elem_start, B, num_elements, max_dim):
+def collection_backward(grad, values, offsets, psw, meta, layout: Layout, B, num_elements):
     """Gradient of the flat weight buffer (dense), by one segment reduction."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B)
-    layout = Layout(row_start, dims, elem_start, max_dim)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
-                           src_stride=grad.stride(0), src_bags=B, src_col=meta[:, OUT_COL].contiguous())
+                           src_stride=grad.stride(0), src_bags=B, src_meta=source_meta(meta))
 
 
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
@@ -169,45 +178,42 @@ def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim):
 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                   meta: Tensor, row_start: Tensor, dims: Tensor, elem_start: Tensor, B: int, total_dim: int,
-                   max_dim: int) -> Tensor:
+                   meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int, wide_keys: bool) -> Tensor:
     return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim)
 
 
 @_collection_op.register_fake
-def _(weights, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B, total_dim, max_dim):
+def _(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec, wide_keys):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                            meta: Tensor, row_start: Tensor, dims: Tensor, elem_start: Tensor, B: int,
-                            num_elements: int, max_dim: int) -> Tensor:
+                            meta: Tensor, B: int, num_elements: int, max_dim: int, vec: int,
+                            wide_keys: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
-        return collection_backward(grad, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B,
-                                   num_elements, max_dim)
+        layout = Layout(max_dim, vec, wide_keys)
+        return collection_backward(grad, values, offsets, per_sample_weights, meta, layout, B, num_elements)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 
 @_collection_backward_op.register_fake
-def _(grad, values, offsets, per_sample_weights, meta, row_start, dims, elem_start, B, num_elements, max_dim):
+def _(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim, vec, wide_keys):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
-    weights, values, offsets, psw, meta, row_start, dims, elem_start, B, total_dim, max_dim = inputs
-    ctx.save_for_backward(values, offsets, psw, meta, row_start, dims, elem_start)
-    ctx.args = (B, weights.numel(), max_dim)
+    weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, wide_keys = inputs
+    ctx.save_for_backward(values, offsets, psw, meta)
+    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys)
 
 
 def _autograd_backward(ctx, grad):
-    values, offsets, psw, meta, row_start, dims, elem_start = ctx.saved_tensors
-    B, num_elements, max_dim = ctx.args
+    values, offsets, psw, meta = ctx.saved_tensors
     g = None
     if ctx.needs_input_grad[0]:
-        g = _collection_backward_op(grad, values, offsets, psw, meta, row_start, dims, elem_start, B,
-                                    num_elements, max_dim)
-    return g, None, None, None, None, None, None, None, None, None, None
+        g = _collection_backward_op(grad, values, offsets, psw, meta, *ctx.args)
+    return (g,) + (None,) * 9
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -220,8 +226,8 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
         raise ValueError("per-sample weights of a collection get no gradient; detach them")
     if needs_op(weights):
         L = plan.layout
-        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, L.row_start, L.dims,
-                              L.elem_start, B, plan.total_dim, plan.max_dim)
+        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim,
+                              plan.max_dim, L.vec, L.wide_keys)
     return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim)
 
 

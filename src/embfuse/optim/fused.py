@@ -1,7 +1,7 @@
 """Backward fused with the optimizer: the gradient never materialises as a dense table.
 
 The ids are sorted and each run of equal ids reduced in a fixed order (ops/_segment.py: tiles
-of sorted positions, then the runs that cross tiles); the program that finishes a row's gradient
+of sorted positions, then level by level the runs that cross tiles); the program that finishes a row's gradient
 reads the row's weight and state, applies the rule and writes them back. In place, deterministic, no
 atomics.
 """
@@ -12,7 +12,7 @@ import torch
 
 from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, segment_rows, single_table
-from embfuse.ops.collection import feature_slices, backward_inputs, table_view
+from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
 from embfuse.ops.embedding_bag import MEAN
 
 
@@ -36,16 +36,15 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 
 @triton.jit
 def _fused_update_kernel(
-    sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
-    row_start, dims, elem_start, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-    PHASE: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr,
-    T_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
 ):
-    key, D, base, g, cnt, done = segment_rows(
-        PHASE, sorted_key, perm, src_row, scale, head, tail, counts, n, tiles, src, src_stride, src_bags, src_col,
-        row_start, dims, elem_start, HAS_SRC_ROW, HAS_SCALE, COUNT, T_BLOCK, BLOCK_K, BLOCK_D)
+    row, D, base, g, cnt, done = segment_rows(
+        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
+        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
     cols = tl.arange(0, BLOCK_D)
-    m = done[:, None] & (cols[None, :] < D[:, None])
+    m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
     at = base[:, None] + cols[None, :]  # element-wise state shares the weights' layout
     w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
     g = g + weight_decay * w
@@ -56,8 +55,8 @@ def _fused_update_kernel(
         tl.store(state1 + at, s, mask=m)
         w = w - lr * g / (tl.sqrt(s) + eps)
     elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
-        s = tl.load(state1 + key, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-        tl.store(state1 + key, s, mask=done)
+        s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+        tl.store(state1 + row, s, mask=done)
         w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
     else:  # Adam; lr arrives divided by the first bias correction
         mo = tl.load(state1 + at, mask=m, other=0.0)
@@ -103,19 +102,19 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
 
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None):
     """A fused update of a table collection's flat `weights` (and flat `state`) from the
-    gradient of its pooled output: one sort and two launches for every table."""
+    gradient of its pooled output: one sort and one launch a level for every table."""
     if kernel is None:
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
         keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
-                     scale=scale, src_stride=grad.stride(0), src_bags=B, src_col=plan.out_col)
+                     scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
         return
     # reference: per table, the gradient rows of all its features, then one update
     by_table = {}
     for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
-        _elem, dim, col, pooling, _row, _n = m
+        dim, col, pooling = m[DIM], m[OUT_COL], m[POOL]
         lengths = o[1:] - o[:-1]
         bag = torch.repeat_interleave(torch.arange(B, device=grad.device), lengths, output_size=vs.stop - vs.start)
         rows = grad[bag, col:col + dim].float()
