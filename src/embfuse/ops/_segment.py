@@ -97,11 +97,15 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
     return _single_table(num_rows, dim, device) if tracing() else _single_table_cached(num_rows, dim, device)
 
 
-def level_shape(block_d: int) -> tuple[int, int]:
-    """(entries a tile, warps) of every level: tiles of about 2048 fp32 values, 16 (tl.dot's
-    minimum) to 128 entries, 4 warps. Measured on an H100 at D=128 (26-table Criteo step, 21M
-    ids): 16 entries / 4 warps beat 16/8 and 32/8 at level 1 (9.1 against 10.1 and 12.1 ms)
-    and 32/4, 32/8, 64/8 at later levels (0.93 against 1.6, 1.3 and 3.8 ms)."""
+def level_shape(block_d: int, n: int) -> tuple[int, int]:
+    """(entries a tile, warps) of a level of n entries. Large levels: tiles of about 2048 fp32
+    values, 4 warps; measured on an H100 at D=128 (26-table Criteo step, 21M ids), 16 entries /
+    4 warps beat 16/8 and 32/8 at level 1 (9.1 against 10.1 and 12.1 ms) and 32/4, 32/8, 64/8
+    at level 2 (0.93 against 1.6, 1.3 and 3.8 ms). Levels of at most 64K entries take the GPU
+    microseconds while each launch costs the host tens: tiles of about 8192 values, 8 warps,
+    so that fewer levels follow (a tile of K entries makes K / 2 times fewer)."""
+    if n <= 65536:
+        return max(16, min(64, 8192 // block_d)), 8
     return max(16, min(128, 2048 // block_d)), 4
 
 
@@ -144,28 +148,31 @@ class Segments:
         tile: the run coming in, the run going on) are the input of the next level, a problem
         a tile's size times smaller, until one tile holds everything."""
         dev = self.sorted_key.device
-        keys, n, src, stride, info_in, first = self.sorted_key, self.n, self.src, self.src_stride, None, True
+        levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
-            block_k, warps = level_shape(self.block_d)
-            tiles = triton.cdiv(n, block_k)
-            last = tiles == 1
-            if last:
-                keys_out = vals_out = info_out = keys  # not written
-            else:
-                keys_out = torch.empty(2 * tiles, dtype=keys.dtype, device=dev)
-                vals_out = torch.empty(2 * tiles, self.block_d, dtype=torch.float32, device=dev)
-                info_out = torch.empty(2 * tiles, 2, dtype=torch.int32, device=dev)
+            block_k, warps = level_shape(self.block_d, n)
+            levels.append((n, block_k, warps, triton.cdiv(n, block_k)))
+            if levels[-1][3] == 1:
+                break
+            n = 2 * levels[-1][3]
+        # the entries of every level after the first, allocated at once
+        total = sum(n for n, *_ in levels[1:])
+        all_keys = torch.empty(total, dtype=self.sorted_key.dtype, device=dev)
+        all_vals = torch.empty(total, self.block_d, dtype=torch.float32, device=dev)
+        all_info = torch.empty(total, 2, dtype=torch.int32, device=dev)
+        keys, src, stride, info_in, at = self.sorted_key, self.src, self.src_stride, self.sorted_key, 0
+        for level, (n, block_k, warps, tiles) in enumerate(levels):
+            last = level == len(levels) - 1
+            out = slice(at, at + (0 if last else 2 * tiles))
             launch(kernel)[(tiles,)](
                 keys, n, self.perm, self.src_row if self.src_row is not None else self.perm,
                 self.scale if self.scale is not None else src, src, stride, self.src_bags, self.src_meta,
-                info_in if info_in is not None else keys, keys_out, vals_out, info_out, *args,
-                FIRST=first, LAST=last, HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None,
-                COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=self.block_d, num_warps=warps,
-                **constexprs,
+                info_in, all_keys[out], all_vals[out], all_info[out], *args,
+                FIRST=level == 0, LAST=last, HAS_SRC_ROW=self.src_row is not None,
+                HAS_SCALE=self.scale is not None, COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=self.block_d,
+                num_warps=warps, **constexprs,
             )
-            if last:
-                return
-            keys, n, src, stride, info_in, first = keys_out, 2 * tiles, vals_out, self.block_d, info_out, False
+            keys, src, stride, info_in, at = all_keys[out], all_vals[out], self.block_d, all_info[out], out.stop
 
 
 @triton.jit
