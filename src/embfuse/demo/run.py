@@ -107,7 +107,7 @@ def train(name, model, data, train_idx, test_idx, args, device, progress=None) -
             loss.backward()
             opt.step()
             model.sparse.step()
-            res.step_losses.append(float(loss))
+            res.step_losses.append(loss.item())
             seen += label.numel()
             if progress is not None:
                 progress(label.numel())
