@@ -1,7 +1,7 @@
 """Table collections with TorchRec's front end: configs, EmbeddingBagCollection, EmbeddingCollection.
 
 All tables of a collection live in ONE flat weight Parameter (`weights`), so a batch of every
-feature is looked up by one launch (and trained by one sort and two launches) whatever the
+feature is looked up by one launch (and trained by one sort and a few launches) whatever the
 number of tables. The state_dict shows one tensor per table under TorchRec's keys
 (`embedding_bags.<table>.weight`, `embeddings.<table>.weight`), so checkpoints move between
 embfuse and TorchRec. With `optimizer=` the backward updates the touched rows in place; the
