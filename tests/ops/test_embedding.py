@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import embfuse
 from embfuse.ops.embedding import embedding_forward, embedding_reference
-from embfuse.ops._segment import segment_grad, segment_grad_reference
+from embfuse.ops._segment import Layout, reduce_segments, segment_grad, segment_grad_reference, single_table
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close
 
@@ -90,3 +90,18 @@ def test_backward_hot_row_spanning_tiles(freq, D):
     ref = segment_grad_reference(ids, grad.double(), None, None, 50, -1, freq, torch.float64)
     assert_close(got, ref, torch.float32, reduction=n)
     assert torch.equal(got, segment_grad(ids, grad, None, None, 50, -1, freq, torch.float32))
+
+
+@requires_kernels
+def test_int64_sort_keys_give_the_same_gradient():
+    """Keys wider than 32 bits (tables past 2^31 rows, or many large tables) sort as int64; the
+    same ids forced down that path give the bitwise same gradient as the int32 one."""
+    ids = torch.randint(0, 40, (700,), device=KERNEL_DEVICE)
+    grad = torch.randn(700, 16, device=KERNEL_DEVICE)
+    narrow = single_table(40, 16, KERNEL_DEVICE)
+    wide = Layout(narrow.max_dim, narrow.vec, True, 0, narrow.own_source)
+    got = [reduce_segments(ids, L, grad, torch.zeros(40, 16, device=KERNEL_DEVICE)) for L in (narrow, wide)]
+    assert not narrow.wide_keys
+    assert torch.equal(got[0], got[1])
+    assert_close(got[1], segment_grad_reference(ids, grad.double(), None, None, 40, -1, False, torch.float64),
+                 torch.float32, reduction=700)
