@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from embfuse.ops.collection import (Plan, collection_backward, collection_backward_reference, collection_forward,
-                                    collection_reference)
+from embfuse.ops.collection import (Plan, backward_inputs, backward_inputs_reference, collection_backward,
+                                    collection_backward_reference, collection_forward, collection_reference)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from embfuse.optim.fused import collection_update
 from embfuse.optim.rules import init_flat_state
@@ -102,3 +102,17 @@ def test_hot_rows_of_many_tables_through_every_level(opt):
     collection_update(w, state, opt, values, offsets, psw, P, B, grad, 1, kernel=True)
     collection_update(w64, state64, opt, values, offsets, psw.double(), P, B, grad.double(), 1, kernel=False)
     assert_close(w, w64, torch.float32, reduction=len(values))
+
+
+@requires_kernels
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("wide_keys", [False, True])
+def test_backward_inputs_kernel_matches_torch(weighted, wide_keys):
+    B = 7
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=9)
+    got = backward_inputs(values, offsets, psw, P.meta, B, wide_keys)
+    want = backward_inputs_reference(values, offsets, psw, P.meta, B, wide_keys)
+    assert got[0].dtype == want[0].dtype
+    for g, w in zip(got, want):
+        assert torch.equal(g.to(w.dtype), w)

@@ -141,14 +141,47 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     return out
 
 
-def backward_inputs(values, offsets, psw, meta, B):
-    """Per value: (sort key of its row, see Layout; bag; scale)."""
+def backward_inputs_reference(values, offsets, psw, meta, B, wide_keys=True):
+    """Per value: (sort key of its row, see Layout; bag; scale), in torch ops."""
     bag = bag_of_value(offsets, values.numel())
     f = bag // max(B, 1)
     keys = meta[:, KEY_START][f] + values.long()
     lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(torch.float32)
     scale = torch.where(meta[:, POOL][f] == MEAN, 1.0 / lengths, 1.0)
-    return keys, bag, scale if psw is None else psw.to(torch.float32) * scale
+    return keys if wide_keys else keys.int(), bag, scale if psw is None else psw.to(torch.float32) * scale
+
+
+@triton.jit
+def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, B, stride_m,
+                            HAS_PSW: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)  # one bag (feature-major)
+    f = g // B
+    start = tl.load(offsets + g).to(tl.int64)
+    end = tl.load(offsets + g + 1).to(tl.int64)
+    key0 = tl.load(meta + f * stride_m + 6)  # KEY_START
+    scale = tl.where(tl.load(meta + f * stride_m + 3) == 1, 1.0 / tl.maximum(end - start, 1).to(tl.float32), 1.0)
+    for i in range(start, end, BLOCK):
+        p = i + tl.arange(0, BLOCK)
+        m = p < end
+        tl.store(keys + p, (key0 + tl.load(values + p, mask=m, other=0)).to(keys.dtype.element_ty), mask=m)
+        tl.store(bag_out + p, g.to(bag_out.dtype.element_ty), mask=m)
+        if HAS_PSW:
+            tl.store(scale_out + p, scale * tl.load(psw + p, mask=m, other=0.0).to(tl.float32), mask=m)
+        else:
+            tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
+
+
+def backward_inputs(values, offsets, psw, meta, B, wide_keys=True):
+    """`backward_inputs_reference` in one launch (a program a bag) instead of ten torch ops over
+    every value; keys int32 unless `wide_keys`, bags int32 while they fit."""
+    n, FB = values.numel(), offsets.numel() - 1
+    keys = torch.empty(n, dtype=torch.int64 if wide_keys else torch.int32, device=values.device)
+    bag = torch.empty(n, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=values.device)
+    scale = torch.empty(n, dtype=torch.float32, device=values.device)
+    if n and FB:
+        launch(_backward_inputs_kernel)[(FB,)](values, offsets, psw if psw is not None else scale, meta, keys, bag,
+                                               scale, max(B, 1), meta.stride(0), HAS_PSW=psw is not None, BLOCK=64)
+    return keys, bag, scale
 
 
 def collection_backward(grad, values, offsets, psw, meta, layout: Layout, B, num_elements):
@@ -156,7 +189,7 @@ def collection_backward(grad, values, offsets, psw, meta, layout: Layout, B, num
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
-    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B)
+    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=source_meta(meta))
 
