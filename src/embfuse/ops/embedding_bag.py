@@ -30,12 +30,15 @@ def _bag_of_position(indices: Tensor, offsets: Tensor) -> Tensor:
     return torch.searchsorted(offsets, pos, right=True) - 1
 
 
-def _pooled(indices: Tensor, offsets: Tensor, padding_idx: int) -> Tensor:
-    """Mask of positions that take part in a bag: inside [offsets[0], offsets[-1]), not padding."""
-    keep = _bag_of_position(indices, offsets) < offsets.numel() - 1
+def _pooled(indices: Tensor, offsets: Tensor, padding_idx: int) -> tuple[Tensor, Tensor]:
+    """(mask of positions that take part in a bag: inside [offsets[0], offsets[-1]), not padding;
+    each position's bag, clamped to the last): one search for both."""
+    B = offsets.numel() - 1
+    bag = _bag_of_position(indices, offsets)
+    keep = bag < B
     if padding_idx >= 0:
         keep &= indices != padding_idx
-    return keep
+    return keep, bag.clamp(max=max(B - 1, 0)).long()
 
 
 def _bag_sizes(keep: Tensor, offsets: Tensor) -> Tensor:
@@ -49,8 +52,7 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     max (first one on ties, -1 for an empty bag) in max mode, else an empty tensor."""
     B, D = offsets.numel() - 1, weight.shape[1]
     acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    keep = _pooled(indices, offsets, padding_idx)
-    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    keep, bag = _pooled(indices, offsets, padding_idx)
     rows = weight[indices.long()].to(acc_dtype)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.to(acc_dtype)[:, None]
@@ -184,9 +186,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
 
 def _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx):
     """Per-position (row id or -1, source bag row, scale or None) for the segment reduction."""
-    B = offsets.numel() - 1
-    keep = _pooled(indices, offsets, padding_idx)
-    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    keep, bag = _pooled(indices, offsets, padding_idx)
     ids = torch.where(keep, indices.long(), -1)
     scale = per_sample_weights
     if mode == MEAN:
@@ -279,8 +279,7 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
 def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):
     """d out[b] / d w[p] = weight[ids[p]]: one dot product per pooled position."""
     B = offsets.numel() - 1
-    keep = _pooled(indices, offsets, padding_idx)
-    bag = _bag_of_position(indices, offsets).clamp(max=max(B - 1, 0)).long()
+    keep, bag = _pooled(indices, offsets, padding_idx)
     acc = torch.promote_types(grad.dtype, torch.float32)
     dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
     return (dots * keep).to(psw.dtype)
