@@ -105,3 +105,16 @@ def test_int64_sort_keys_give_the_same_gradient():
     assert torch.equal(got[0], got[1])
     assert_close(got[1], segment_grad_reference(ids, grad.double(), None, None, 40, -1, False, torch.float64),
                  torch.float32, reduction=700)
+
+
+@requires_kernels
+@pytest.mark.parametrize("case", ["distinct", "one key", "mixed"])
+def test_backward_tiles_of_every_kind(case):
+    """Tiles with no repeated key, one key throughout and a mix, against the reference."""
+    n, rows = 640, 1000
+    ids = {"distinct": torch.randperm(rows)[:n], "one key": torch.full((n,), 7),
+           "mixed": torch.randint(0, 40, (n,))}[case].to(KERNEL_DEVICE)
+    grad = torch.randn(n, 64, device=KERNEL_DEVICE)
+    got = segment_grad(ids, grad, None, None, rows, -1, False, torch.float32)
+    ref = segment_grad_reference(ids, grad.double(), None, None, rows, -1, False, torch.float64)
+    assert_close(got, ref, torch.float32, reduction=n)
