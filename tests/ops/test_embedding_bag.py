@@ -4,8 +4,8 @@ import torch.nn.functional as F
 
 import embfuse
 from embfuse.ops.embedding_bag import (
-    MAX, MEAN, SUM, embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward,
-    embedding_bag_reference,
+    MAX, MEAN, SUM, _backward_inputs, backward_inputs, embedding_bag_backward, embedding_bag_backward_reference,
+    embedding_bag_forward, embedding_bag_reference,
 )
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close, random_bags
@@ -235,3 +235,21 @@ def test_large_table_int64_addressing():
     out = embfuse.embedding_bag(ids, w, torch.tensor([0, 2], device="cuda"), mode="sum")
     ref = torch.stack([w[N - 1].float() + w[N - 2].float(), w[3].float()])
     assert_close(out, ref, torch.bfloat16, reduction=2)
+
+
+@requires_kernels
+@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False)])
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted):
+    """Per-position ids, bags and scales of the backward: empty bags, padding (not counted by
+    mean), and positions past the last offset (include_last_offset) that belong to no bag."""
+    indices = torch.randint(0, 6, (150,), device=KERNEL_DEVICE)
+    offsets = torch.tensor([0, 0, 7, 70, 71, 71, 140], device=KERNEL_DEVICE)  # 10 positions past the end
+    psw = torch.rand(150, device=KERNEL_DEVICE) if weighted else None
+    got = backward_inputs(indices, offsets, psw, mode, padding_idx, kernel=True)
+    want = _backward_inputs(indices, offsets, psw, mode, padding_idx)
+    assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1])
+    keep = want[0] >= 0  # scales of positions that feed nothing do not matter
+    assert (got[2] is None) == (want[2] is None)
+    if want[2] is not None:
+        assert torch.equal(got[2][keep], want[2].float()[keep])

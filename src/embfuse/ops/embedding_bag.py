@@ -194,8 +194,61 @@ def _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx):
     return ids, bag, scale
 
 
+@triton.jit
+def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B, padding_idx,
+                            HAS_PADDING: tl.constexpr, MEAN: tl.constexpr, HAS_PSW: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)  # one bag
+    start = tl.load(offsets + g).to(tl.int64)
+    end = tl.load(offsets + g + 1).to(tl.int64)
+    scale = 1.0
+    if MEAN:  # over the pooled (non-padding) positions
+        count = end - start
+        if HAS_PADDING:
+            count = count * 0  # (an int64 zero: the loop keeps its type)
+            for i in range(start, end, BLOCK):
+                p = i + tl.arange(0, BLOCK)
+                count += tl.sum(((p < end) & (tl.load(indices + p, mask=p < end, other=0) != padding_idx))
+                                .to(tl.int64), axis=0)
+        scale = 1.0 / tl.maximum(count, 1).to(tl.float32)
+    stop = tl.where(g == B - 1, n, end)  # positions after the last bag belong to none
+    for i in range(start, stop, BLOCK):
+        p = i + tl.arange(0, BLOCK)
+        m = p < stop
+        v = tl.load(indices + p, mask=m, other=0)
+        keep = p < end
+        if HAS_PADDING:
+            keep = keep & (v != padding_idx)
+        tl.store(ids + p, tl.where(keep, v, -1).to(ids.dtype.element_ty), mask=m)
+        tl.store(bag_out + p, g.to(bag_out.dtype.element_ty), mask=m)
+        if HAS_PSW:
+            tl.store(scale_out + p, tl.load(psw + p, mask=m, other=0.0).to(tl.float32), mask=m)
+        elif MEAN:
+            tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
+
+
+def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None):
+    """`_backward_inputs` in one launch (a program a bag) instead of about ten torch ops; ids in
+    the indices' dtype, bags int32 while they fit. `kernel`: force the kernel (True, as the
+    kernel backward does, interpreted on the CPU in tests) or the torch ops; None: by device."""
+    if not (use_kernels(indices) if kernel is None else kernel):
+        return _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    n, B = indices.numel(), offsets.numel() - 1
+    dev = indices.device
+    ids = torch.empty(n, dtype=indices.dtype, device=dev)
+    bag = torch.empty(n, dtype=torch.int32 if B < 2**31 else torch.int64, device=dev)
+    scaled = per_sample_weights is not None or mode == MEAN
+    scale = torch.empty(n if scaled else 0, dtype=torch.float32, device=dev)
+    if n and B:
+        launch(_backward_inputs_kernel)[(B,)](
+            indices, offsets, per_sample_weights if per_sample_weights is not None else scale, ids, bag, scale, n,
+            B, padding_idx, HAS_PADDING=padding_idx >= 0, MEAN=mode == MEAN,
+            HAS_PSW=per_sample_weights is not None, BLOCK=64)
+    return ids, bag, scale if scaled else None
+
+
 def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
-              scale_grad_by_freq, reduce):
+              scale_grad_by_freq, reduce, inputs=_backward_inputs):
     D = grad.shape[1]
     if mode == MAX:
         # each (bag, column) sends its gradient to one (row, column): reduce over the flat table
@@ -204,7 +257,7 @@ def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, 
         return g.view(num_weights, D)
     if offsets.numel() == 1:
         return torch.zeros(num_weights, D, dtype=grad.dtype, device=grad.device)
-    ids, bag, scale = _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    ids, bag, scale = inputs(indices, offsets, per_sample_weights, mode, padding_idx)
     return reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
 
 
@@ -218,7 +271,7 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                            scale_grad_by_freq):
     """Dense weight gradient through the deterministic Triton segment reduction."""
     return _backward(grad.contiguous(), indices, offsets, per_sample_weights, max_ids, num_weights, mode,
-                     padding_idx, scale_grad_by_freq, segment_grad)
+                     padding_idx, scale_grad_by_freq, segment_grad, functools.partial(backward_inputs, kernel=True))
 
 
 def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx):

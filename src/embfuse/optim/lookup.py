@@ -12,7 +12,7 @@ import torch
 
 from embfuse.ops.embedding import _forward_impl as _gather
 from embfuse.ops.embedding import prepare_ids
-from embfuse.ops.embedding_bag import _backward_inputs, per_sample_weights_grad, prepare_bags
+from embfuse.ops.embedding_bag import backward_inputs, per_sample_weights_grad, prepare_bags
 from embfuse.ops.embedding_bag import _forward_impl as _pool
 from embfuse.ops.collection import _forward_impl as _pool_collection
 from embfuse.optim.fused import apply_sparse_update, collection_update
@@ -46,7 +46,7 @@ class _FusedBag(torch.autograd.Function):
         fused = ctx.fused
         fused.step += 1
         if offsets.numel() > 1:
-            ids, bag, scale = _backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx)
+            ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx)
             apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
                                 fused.step, ctx.padding_idx)
         return None, None, None, None, grad_psw, None, None, None
