@@ -159,7 +159,9 @@ def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out
     start = tl.load(offsets + g).to(tl.int64)
     end = tl.load(offsets + g + 1).to(tl.int64)
     key0 = tl.load(meta + f * stride_m + 6)  # KEY_START
-    scale = tl.where(tl.load(meta + f * stride_m + 3) == 1, 1.0 / tl.maximum(end - start, 1).to(tl.float32), 1.0)
+    # (IEEE division, as torch divides: the approximate one differs in the last bit)
+    inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
+    scale = tl.where(tl.load(meta + f * stride_m + 3) == 1, inv, 1.0)
     for i in range(start, end, BLOCK):
         p = i + tl.arange(0, BLOCK)
         m = p < end

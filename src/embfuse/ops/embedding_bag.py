@@ -210,7 +210,7 @@ def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B
                 p = i + tl.arange(0, BLOCK)
                 count += tl.sum(((p < end) & (tl.load(indices + p, mask=p < end, other=0) != padding_idx))
                                 .to(tl.int64), axis=0)
-        scale = 1.0 / tl.maximum(count, 1).to(tl.float32)
+        scale = tl.math.div_rn(1.0, tl.maximum(count, 1).to(tl.float32))  # IEEE, as torch divides
     stop = tl.where(g == B - 1, n, end)  # positions after the last bag belong to none
     for i in range(start, stop, BLOCK):
         p = i + tl.arange(0, BLOCK)
