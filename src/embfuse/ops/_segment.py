@@ -1,10 +1,10 @@
 """Deterministic gradient reduction by row, shared by the backward of every lookup op.
 
-    grad[r, :] = c_r * sum over positions p with key[p] == r of scale[p] * src[source of p, :]
+    grad[r, :] = c_r * sum over positions p whose key names row r of scale[p] * src[source of p, :]
 
 with c_r = 1 / count_r under scale_grad_by_freq, else 1; key -1 means "no row" (padding, a
 skipped id). Rows live in a `Layout`: one or many tables of any widths packed in one flat buffer
-(a single table is the case T = 1), so one launch serves a whole table collection.
+(a single table is the case T = 1), so one launch a level serves a whole table collection.
 
 The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
 positions: it gathers their gradient rows as one 2-D tile (all loads in flight) and sums runs of
@@ -202,9 +202,9 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     """One tile of one level. Returns, for its BLOCK_K entries: (global row, width, first element,
     fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the entries
     are sorted positions, gathered from src; later levels read the partial rows of the one before,
-    and each entry's (source feature, count) from `info_in`. The row's table
-    is never looked up from the key: per-row gathers from the table arrays cost several times
-    the tile's own work (measured: Triton replicates anything derived from the key per thread)."""
+    and each entry's (source feature, count) from `info_in`. The row's table is never looked up
+    from the key: per-row gathers from the table arrays cost several times the tile's own work
+    (measured: Triton replicates anything derived from the key per thread)."""
     tile = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     first = tile * BLOCK_K
