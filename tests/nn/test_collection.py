@@ -162,7 +162,7 @@ def test_opcheck_and_compile():
     P = ebc._plan(kjt.keys(), ebc.weights.device)
     L = P.layout
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
-                          (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None, P.meta,
+                          (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None, P.meta, P.src_meta,
                            4, P.total_dim, P.max_dim, L.vec, L.wide_keys))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)

@@ -54,10 +54,10 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     assert_close(out, ref, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
     L = P.layout
-    got = collection_backward(grad, values, offsets, psw, P.meta, L, B, P.num_elements)
+    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements)
     want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim)
     assert_close(got, want, dtype, reduction=len(values))
-    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, L, B, P.num_elements))
+    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements))
 
 
 @requires_kernels
@@ -90,7 +90,7 @@ def test_hot_rows_of_many_tables_through_every_level(opt):
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=True, max_len=40, hot=True)
     grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE)
     if opt is None:
-        got = collection_backward(grad, values, offsets, psw, P.meta, P.layout, B, P.num_elements)
+        got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, P.layout, B, P.num_elements)
         want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements,
                                              P.max_dim)
         assert_close(got, want, torch.float32, reduction=len(values))

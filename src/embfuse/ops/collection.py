@@ -186,14 +186,14 @@ def backward_inputs(values, offsets, psw, meta, B, wide_keys=True):
     return keys, bag, scale
 
 
-def collection_backward(grad, values, offsets, psw, meta, layout: Layout, B, num_elements):
-    """Gradient of the flat weight buffer (dense), by one segment reduction."""
+def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements):
+    """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta: Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
-                           src_stride=grad.stride(0), src_bags=B, src_meta=source_meta(meta))
+                           src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
 
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
@@ -213,42 +213,44 @@ def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim):
 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                   meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int, wide_keys: bool) -> Tensor:
+                   meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int,
+                   wide_keys: bool) -> Tensor:
     return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim)
 
 
 @_collection_op.register_fake
-def _(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec, wide_keys):
+def _(weights, values, offsets, per_sample_weights, meta, src_meta, B, total_dim, max_dim, vec, wide_keys):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                            meta: Tensor, B: int, num_elements: int, max_dim: int, vec: int,
+                            meta: Tensor, src_meta: Tensor, B: int, num_elements: int, max_dim: int, vec: int,
                             wide_keys: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
-        return collection_backward(grad, values, offsets, per_sample_weights, meta, layout, B, num_elements)
+        return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
+                                   num_elements)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 
 @_collection_backward_op.register_fake
-def _(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim, vec, wide_keys):
+def _(grad, values, offsets, per_sample_weights, meta, src_meta, B, num_elements, max_dim, vec, wide_keys):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
-    weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, wide_keys = inputs
-    ctx.save_for_backward(values, offsets, psw, meta)
+    weights, values, offsets, psw, meta, src_meta, B, total_dim, max_dim, vec, wide_keys = inputs
+    ctx.save_for_backward(values, offsets, psw, meta, src_meta)
     ctx.args = (B, weights.numel(), max_dim, vec, wide_keys)
 
 
 def _autograd_backward(ctx, grad):
-    values, offsets, psw, meta = ctx.saved_tensors
+    values, offsets, psw, meta, src_meta = ctx.saved_tensors
     g = None
     if ctx.needs_input_grad[0]:
-        g = _collection_backward_op(grad, values, offsets, psw, meta, *ctx.args)
-    return (g,) + (None,) * 9
+        g = _collection_backward_op(grad, values, offsets, psw, meta, src_meta, *ctx.args)
+    return (g,) + (None,) * 10
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -261,8 +263,8 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
         raise ValueError("per-sample weights of a collection get no gradient; detach them")
     if needs_op(weights):
         L = plan.layout
-        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim,
-                              plan.max_dim, L.vec, L.wide_keys)
+        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, plan.src_meta, B,
+                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys)
     return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim)
 
 
