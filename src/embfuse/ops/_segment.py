@@ -27,6 +27,7 @@ import torch
 
 from embfuse._triton import launch, next_pow2, tl, tracing, triton
 
+
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
     """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32

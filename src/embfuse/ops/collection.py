@@ -125,7 +125,8 @@ def _collection_fwd_kernel(
         if tl.load(meta + f * stride_m + 3) == 1:  # mean
             result = result / tl.maximum(end - start, 1).to(tl.float32)
         b = g - f * B
-        tl.store(out + b * stride_o + tl.load(meta + f * stride_m + 2) + cols, result.to(out.dtype.element_ty), mask=cmask)
+        tl.store(out + b * stride_o + tl.load(meta + f * stride_m + 2) + cols, result.to(out.dtype.element_ty),
+                 mask=cmask)
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim):

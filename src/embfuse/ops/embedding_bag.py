@@ -184,7 +184,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     return out, max_ids
 
 
-def _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx):
+def backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx):
     """Per-position (row id or -1, source bag row, scale or None) for the segment reduction."""
     keep, bag = _pooled(indices, offsets, padding_idx)
     ids = torch.where(keep, indices.long(), -1)
@@ -228,11 +228,12 @@ def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B
 
 
 def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None):
-    """`_backward_inputs` in one launch (a program a bag) instead of about ten torch ops; ids in
-    the indices' dtype, bags int32 while they fit. `kernel`: force the kernel (True, as the
-    kernel backward does, interpreted on the CPU in tests) or the torch ops; None: by device."""
+    """`backward_inputs_reference` in one launch (a program a bag) instead of about ten torch
+    ops; ids in the indices' dtype, bags int32 while they fit. `kernel`: force the kernel (True,
+    as the kernel backward does, interpreted on the CPU in tests) or the torch ops; None: by
+    device."""
     if not (use_kernels(indices) if kernel is None else kernel):
-        return _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+        return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
     n, B = indices.numel(), offsets.numel() - 1
     dev = indices.device
     ids = torch.empty(n, dtype=indices.dtype, device=dev)
@@ -248,7 +249,7 @@ def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, ker
 
 
 def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
-              scale_grad_by_freq, reduce, inputs=_backward_inputs):
+              scale_grad_by_freq, reduce, inputs=backward_inputs_reference):
     D = grad.shape[1]
     if mode == MAX:
         # each (bag, column) sends its gradient to one (row, column): reduce over the flat table
@@ -317,7 +318,7 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     D = grad.shape[1]
     if offsets.numel() == 1:
         return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D), check_invariants=False)
-    ids, bag, scale = _backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    ids, bag, scale = backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
     keep = ids >= 0
     values = grad[bag] * keep[:, None]
     if scale is not None:

@@ -1,9 +1,9 @@
 """Backward fused with the optimizer: the gradient never materialises as a dense table.
 
 The ids are sorted and each run of equal ids reduced in a fixed order (ops/_segment.py: tiles
-of sorted positions, then level by level the runs that cross tiles); the program that finishes a row's gradient
-reads the row's weight and state, applies the rule and writes them back. In place, deterministic, no
-atomics.
+of sorted positions, then level by level the runs that cross tiles); the program that finishes
+a row's gradient reads the row's weight and state, applies the rule and writes them back. In
+place, deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 
 @triton.jit
 def _fused_update_kernel(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
+    weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
 ):
