@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from embfuse._triton import launch, next_pow2, tl, tracing, triton
+from embfuse._triton import cdiv, launch, next_pow2, tl, tracing, triton
 
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
@@ -152,7 +152,7 @@ class Segments:
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
             block_k, warps = level_shape(self.block_d, n)
-            levels.append((n, block_k, warps, triton.cdiv(n, block_k)))
+            levels.append((n, block_k, warps, cdiv(n, block_k)))
             if levels[-1][3] == 1:
                 break
             n = 2 * levels[-1][3]

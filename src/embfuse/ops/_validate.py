@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from embfuse._triton import HAS_TRITON, tl, triton, use_kernels
+from embfuse._triton import HAS_TRITON, cdiv, launch, tl, triton, use_kernels
 
 BOUNDS_CHECK_MODES = ("raise", "skip", "off")
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -85,9 +85,7 @@ def bag_flags(indices: torch.Tensor, offsets: torch.Tensor, num_embeddings: int,
         flags = torch.zeros(1, dtype=torch.int32, device=indices.device)
         work = max(n, n_off, 1)
         block = 1024
-        # a direct launch: validation never runs under tracing (see can_sync), and wrap_triton's
-        # dispatch outside a triton_op costs far more than the kernel
-        _check_bags_kernel[(triton.cdiv(work, block),)](
+        launch(_check_bags_kernel)[(cdiv(work, block),)](
             indices, n, offsets, n_off, num_embeddings, flags, BLOCK=block
         )
         return int(flags.item())

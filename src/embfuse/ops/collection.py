@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import Layout, reduce_segments, table_starts
 from embfuse.ops._validate import can_sync, check_bounds_mode, check_index_dtype
 from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_bag
@@ -136,7 +136,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
         return out
     avg = next_pow2(max(1, values.numel() // max(1, F * B)))
     cfg = _config(max_dim, avg) if tracing() else _config_cached(max_dim, avg)
-    launch(_collection_fwd_kernel)[(F * B, triton.cdiv(max_dim, cfg["BLOCK_D"]))](
+    launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0), meta.stride(0),
         HAS_PSW=psw is not None, **cfg)
     return out

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, needs_op, next_pow2, tl, triton, use_kernels, launch
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_ids
 
@@ -41,7 +41,7 @@ def embedding_forward(weight: Tensor, indices: Tensor) -> Tensor:
         return out
     block_d = min(next_pow2(D), 256)
     block_n = max(1, min(64, 2048 // block_d))
-    launch(_embedding_fwd_kernel)[(triton.cdiv(n, block_n), triton.cdiv(D, block_d))](
+    launch(_embedding_fwd_kernel)[(cdiv(n, block_n), cdiv(D, block_d))](
         weight, indices, out, n, D, weight.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_D=block_d
     )
     return out

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import segment_grad, segment_grad_reference
 from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
 
@@ -175,7 +175,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     avg = next_pow2(max(1, indices.numel() // B))
     # sizes are symbolic while tracing (dynamic shapes): only concrete ones are cached
     cfg = _config(D, avg, config) if config or tracing() else _config_cached(D, avg)
-    launch(_embedding_bag_fwd_kernel)[(B, triton.cdiv(D, cfg["BLOCK_D"]))](
+    launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight,
         out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
