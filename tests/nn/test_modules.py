@@ -35,6 +35,26 @@ def test_embedding_from_pretrained_and_training_step_match_torch(device):
     assert_close(ours.weight, theirs.weight, torch.float32, reduction=16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["SGD", "SparseAdam"])
+def test_rowwise_sparse_module_trains_with_torch_sparse_optimizers(device, optimizer):
+    """sparse="rowwise" hands torch's sparse optimizers one entry per touched row."""
+    ours = embfuse.nn.EmbeddingBag(30, 4, mode="mean", sparse="rowwise", device=device)
+    theirs = torch.nn.EmbeddingBag(30, 4, mode="mean", sparse=True, device=device)
+    theirs.load_state_dict(ours.state_dict())
+    make = getattr(torch.optim, optimizer)
+    opts = [make(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for _ in range(3):
+        x = torch.randint(0, 30, (8, 5), device=device)
+        x[:, 0] = 2
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+        assert ours.weight.grad._nnz() == x.unique().numel()
+    assert_close(ours.weight, theirs.weight, torch.float32, reduction=40)
+
+
 def test_modules_pass_bounds_check_through():
     bag = embfuse.nn.EmbeddingBag(5, 2, mode="sum", bounds_check="skip")
     with pytest.warns(UserWarning, match="skipped 1"):

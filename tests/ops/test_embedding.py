@@ -4,7 +4,8 @@ import torch.nn.functional as F
 
 import embfuse
 from embfuse.ops.embedding import embedding_forward, embedding_reference
-from embfuse.ops._segment import Layout, reduce_segments, segment_grad, segment_grad_reference, single_table
+from embfuse.ops._segment import (Layout, reduce_segments, rowwise_grad, rowwise_grad_reference, segment_grad,
+                                  segment_grad_reference, single_table)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close
 
@@ -118,3 +119,56 @@ def test_backward_tiles_of_every_kind(case):
     got = segment_grad(ids, grad, None, None, rows, -1, False, torch.float32)
     ref = segment_grad_reference(ids, grad.double(), None, None, rows, -1, False, torch.float64)
     assert_close(got, ref, torch.float32, reduction=n)
+
+
+@requires_kernels
+@pytest.mark.parametrize("D", [3, 129])
+@pytest.mark.parametrize("padding_idx,freq", [(-1, False), (9, False), (-1, True)])
+@pytest.mark.parametrize("case", ["hot row", "no repeats", "all skipped"])
+def test_rowwise_grad_kernel_is_the_dense_gradient_at_the_touched_rows(D, padding_idx, freq, case):
+    """Renumbering rows by rank keeps every run and tile of the dense reduction: the row-wise
+    values are bitwise the dense gradient's rows, and match the float64 reference."""
+    n, rows = 1200, 5000
+    ids = torch.randint(0, rows, (n,), device=KERNEL_DEVICE)
+    if case == "hot row":
+        ids[: n // 2] = 9  # spans tiles and levels
+    elif case == "no repeats":
+        ids = torch.randperm(rows, device=KERNEL_DEVICE)[:n]
+    else:
+        ids[:] = -1
+    ids[::7] = -1
+    grad = torch.randn(n, D, device=KERNEL_DEVICE)
+    touched, values = rowwise_grad(ids, grad, None, None, rows, padding_idx, freq, torch.float32)
+    ref_rows, ref_values = rowwise_grad_reference(ids, grad.double(), None, None, rows, padding_idx, freq,
+                                                  torch.float64)
+    assert torch.equal(touched.cpu(), ref_rows.cpu())
+    assert_close(values, ref_values, torch.float32, reduction=n)
+    dense = segment_grad(ids, grad, None, None, rows, padding_idx, freq, torch.float32)
+    assert torch.equal(values, dense[touched])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("freq", [False, True])
+def test_rowwise_sparse_gradient_has_one_entry_per_touched_row(device, padding_idx, freq):
+    w_t = torch.randn(12, 5, device=device, requires_grad=True)
+    w_e = w_t.detach().clone().requires_grad_()
+    x = torch.randint(0, 12, (4, 9), device=device)
+    x[:, 0] = 3
+    ref = F.embedding(x, w_t, padding_idx, scale_grad_by_freq=freq)
+    out = embfuse.embedding(x, w_e, padding_idx, scale_grad_by_freq=freq, sparse="rowwise")
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    grad = w_e.grad
+    assert grad.is_sparse  # (autograd drops the coalesced flag when it stores .grad)
+    touched = x.unique()
+    if padding_idx is not None:
+        touched = touched[touched != padding_idx]
+    assert torch.equal(grad._indices()[0], touched)
+    assert_close(grad._values(), w_t.grad[touched], torch.float32, reduction=x.numel())
+
+
+def test_sparse_must_name_a_gradient_layout():
+    with pytest.raises(ValueError, match="sparse must be False, True, 'coo' or 'rowwise', got 'dense'"):
+        embfuse.embedding(torch.tensor([1]), torch.randn(3, 2), sparse="dense")

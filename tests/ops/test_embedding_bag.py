@@ -134,6 +134,31 @@ def test_sparse_and_freq_gradients_match_torch(device, mode, sparse, freq):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode,weighted,freq", [("sum", False, False), ("mean", False, False), ("sum", True, False),
+                                                ("sum", False, True), ("mean", False, True)])
+def test_rowwise_sparse_gradient_is_torchs_gradient_at_the_touched_rows(device, mode, weighted, freq):
+    """sparse="rowwise": a coalesced COO gradient, one entry per distinct non-padding row."""
+    w_t, w_e = _torch_and_ours(device)
+    x, offsets = random_bags(8, 6, w_t.shape[0], device)
+    x[::2] = 3
+    psw = torch.rand(x.numel(), device=device) + 0.5 if weighted else None
+    if freq:
+        ref = _pool_via_embedding(x, w_t, offsets, mode, freq)
+    else:
+        ref = F.embedding_bag(x, w_t, offsets[:-1], mode=mode, per_sample_weights=psw, padding_idx=1)
+    out = embfuse.embedding_bag(x, w_e, offsets[:-1], mode=mode, sparse="rowwise", scale_grad_by_freq=freq,
+                                per_sample_weights=psw, padding_idx=None if freq else 1)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    grad = w_e.grad
+    assert grad.is_sparse  # (autograd drops the coalesced flag when it stores .grad)
+    touched = x.unique() if freq else x[x != 1].unique()
+    assert torch.equal(grad._indices()[0], touched)
+    assert_close(grad._values(), w_t.grad[touched], torch.float32, reduction=x.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_per_sample_weights_gradient_matches_torch(device):
     w_t, w_e = _torch_and_ours(device)
     x, offsets = random_bags(8, 6, w_t.shape[0], device)

@@ -143,6 +143,16 @@ class Segments:
         # row starts in the weights and in src (columns: sums of widths) share the widths' factor
         self.vec = _pow2_factor(layout.vec, self.src_stride)
 
+    def compact(self) -> torch.Tensor:
+        """Renumber the sorted keys 0..U-1 by distinct key (-1 stays -1), so that the kernels
+        write row u of a compact (U, D) output; returns the U distinct keys in order. One host
+        read: U, the size of the output."""
+        uniq, rank = torch.unique_consecutive(self.sorted_key, return_inverse=True)
+        if uniq.numel() and uniq[0] < 0:
+            uniq, rank = uniq[1:], rank - 1
+        self.sorted_key = rank.to(self.sorted_key.dtype)
+        return uniq
+
     def launch(self, kernel, *args, count=False, **constexprs):
         """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
@@ -315,3 +325,42 @@ def segment_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     reduce_segments(ids, single_table(num_rows, D, src.device), src.contiguous(), grad, scale_by_freq,
                     src_row=src_row, scale=scale)
     return grad
+
+
+def rowwise_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
+    """Pure-torch row-wise sparse gradient: (the distinct rows touched, ascending; their
+    gradient rows), the sums `segment_grad_reference` would write at those rows. Arguments as
+    `segment_grad_reference`'s."""
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    rows = src.to(acc_dtype) if src_row is None else src.to(acc_dtype)[src_row]
+    if scale is not None:
+        rows = rows * scale.to(acc_dtype)[:, None]
+    keep = ids >= 0
+    if padding_idx >= 0:
+        keep = keep & (ids != padding_idx)
+    touched, inverse = torch.unique(ids[keep].long(), return_inverse=True)
+    values = torch.zeros(touched.numel(), src.shape[1], dtype=acc_dtype, device=src.device)
+    values.index_add_(0, inverse, rows[keep])
+    if scale_by_freq:
+        values = values / torch.bincount(inverse, minlength=touched.numel()).clamp(min=1)[:, None].to(acc_dtype)
+    return touched, values.to(out_dtype)
+
+
+def rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
+    """Triton version of `rowwise_grad_reference`: the segment reduction of `segment_grad` with
+    rows renumbered by rank, so nothing of the size of the table is written."""
+    D = src.shape[1]
+    if padding_idx >= 0:
+        ids = torch.where(ids == padding_idx, -1, ids)
+    segments = Segments(ids, single_table(num_rows, D, src.device), src.contiguous(), src_row=src_row, scale=scale)
+    touched = segments.compact().long()
+    values = torch.zeros(touched.numel(), D, dtype=out_dtype, device=src.device)
+    if touched.numel() and D:
+        segments.launch(_segment_grad_kernel, values, count=scale_by_freq)
+    return touched, values
+
+
+def rowwise_coo(touched, values, num_rows):
+    """The row-wise gradient as torch's sparse tensor: coalesced, one entry per touched row."""
+    return torch.sparse_coo_tensor(touched[None], values, (num_rows, values.shape[1]), is_coalesced=True,
+                                   check_invariants=False)

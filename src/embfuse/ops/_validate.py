@@ -27,6 +27,19 @@ BAD_ID = 1
 BAD_OFFSETS = 2
 
 
+SPARSE_LAYOUTS = {False: 0, True: 1, "coo": 1, "rowwise": 2}  # dense, torch's COO, one entry per row
+DENSE, COO, ROWWISE = 0, 1, 2
+
+
+def sparse_layout(sparse) -> int:
+    """The gradient layout `sparse` asks for: False (dense), True or "coo" (torch's: one entry
+    per position, uncoalesced) or "rowwise" (one entry per distinct row, coalesced)."""
+    try:
+        return SPARSE_LAYOUTS[sparse]
+    except (KeyError, TypeError):
+        raise ValueError(f"sparse must be False, True, 'coo' or 'rowwise', got {sparse!r}") from None
+
+
 def check_bounds_mode(bounds_check: str) -> None:
     if bounds_check not in BOUNDS_CHECK_MODES:
         raise ValueError(f"bounds_check must be one of {BOUNDS_CHECK_MODES}, got {bounds_check!r}")

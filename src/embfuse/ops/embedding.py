@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import segment_grad, segment_grad_reference
-from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_ids
+from embfuse.ops._segment import (rowwise_coo, rowwise_grad, rowwise_grad_reference, segment_grad,
+                                  segment_grad_reference)
+from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
+                                   sparse_layout, validate_ids)
 
 
 def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
@@ -55,7 +57,7 @@ def _forward_impl(weight, indices):
 
 @kernel_op("embfuse::embedding", mutates_args=())
 def _embedding_op(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool,
-                  sparse: bool) -> Tensor:
+                  sparse: int) -> Tensor:
     return _forward_impl(weight, indices)
 
 
@@ -104,7 +106,12 @@ def _autograd_backward(ctx, grad):
     num_weights, padding_idx, scale_grad_by_freq, sparse = ctx.args
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None
-    if sparse:
+    if sparse == ROWWISE:
+        kernel = use_kernels(grad) and grad.dtype != torch.float64
+        reduce = rowwise_grad if kernel else rowwise_grad_reference
+        g = rowwise_coo(*reduce(indices.long(), grad, None, None, num_weights, padding_idx, scale_grad_by_freq,
+                                grad.dtype), num_weights)
+    elif sparse == COO:
         g = _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     else:
         g = _embedding_backward_op(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
@@ -141,16 +148,19 @@ def embedding(
     max_norm: Optional[float] = None,
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
-    sparse: bool = False,
+    sparse: bool | str = False,
     *,
     bounds_check: str = "raise",
     name: str = "input",
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding`.
 
+    sparse: False, True (torch's sparse COO gradient, one entry per id) or "rowwise" (one
+    entry per distinct row: a coalesced sparse COO tensor, as in `embfuse.embedding_bag`).
     bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" gives a
     zero row (and no gradient) for each out-of-range id, with a warning; "off" checks nothing.
     """
+    sparse = sparse_layout(sparse)
     flat, keep, padding_idx = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
     if needs_op(weight):
         out = _embedding_op(weight, flat, padding_idx, scale_grad_by_freq, sparse)

@@ -17,8 +17,10 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
-from embfuse.ops._segment import segment_grad, segment_grad_reference
-from embfuse.ops._validate import check_bounds_mode, check_index_dtype, check_weight, padding_index, validate_bags
+from embfuse.ops._segment import (rowwise_coo, rowwise_grad, rowwise_grad_reference, segment_grad,
+                                  segment_grad_reference)
+from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
+                                   sparse_layout, validate_bags)
 
 SUM, MEAN, MAX = 0, 1, 2
 MODES = {"sum": SUM, "mean": MEAN, "max": MAX}
@@ -284,7 +286,7 @@ def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_id
 @kernel_op("embfuse::embedding_bag", mutates_args=())
 def _embedding_bag_op(
     weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], mode: int,
-    padding_idx: int, scale_grad_by_freq: bool, sparse: bool,
+    padding_idx: int, scale_grad_by_freq: bool, sparse: int,
 ) -> tuple[Tensor, Tensor]:
     return _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
@@ -330,6 +332,17 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     return torch.sparse_coo_tensor(ids[None], values, (num_weights, D), check_invariants=False)
 
 
+def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq):
+    """sparse="rowwise": one coalesced COO entry per distinct row, summed deterministically."""
+    kernel = use_kernels(grad) and grad.dtype != torch.float64
+    if offsets.numel() == 1:
+        return rowwise_coo(indices.new_empty(0).long(), grad.new_empty(0, grad.shape[1]), num_weights)
+    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel)
+    reduce = rowwise_grad if kernel else rowwise_grad_reference
+    touched, values = reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
+    return rowwise_coo(touched, values, num_weights)
+
+
 def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):
     """d out[b] / d w[p] = weight[ids[p]]: one dot product per pooled position."""
     B = offsets.numel() - 1
@@ -350,7 +363,10 @@ def _autograd_backward(ctx, grad, _grad_max_ids):
     num_weights, mode, padding_idx, scale_grad_by_freq, sparse = ctx.args
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
-        if sparse:
+        if sparse == ROWWISE:
+            grad_weight = _rowwise_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
+                                        scale_grad_by_freq)
+        elif sparse == COO:
             grad_weight = _sparse_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
                                        scale_grad_by_freq)
         else:
@@ -453,7 +469,7 @@ def embedding_bag(
     norm_type: float = 2,
     scale_grad_by_freq: bool = False,
     mode: str = "mean",
-    sparse: bool = False,
+    sparse: bool | str = False,
     per_sample_weights: Optional[Tensor] = None,
     include_last_offset: bool = False,
     padding_idx: Optional[int] = None,
@@ -463,11 +479,16 @@ def embedding_bag(
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding_bag`.
 
+    sparse: False, True (torch's sparse COO gradient, one entry per pooled id) or "rowwise"
+    (one entry per distinct row, summed deterministically: a sparse COO tensor whose
+    `_indices()[0]` are the touched rows, ascending, and `_values()` their gradient rows; it
+    leaves the backward coalesced, but autograd drops that flag when it stores `.grad`).
     bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" drops
     out-of-range ids from their bags with a warning (FBGEMM's WARNING mode); "off" checks
     nothing and needs no device-to-host read (for CUDA graphs; ids must then be valid).
     `name` is how errors call the input (a feature name, say).
     """
+    sparse = sparse_layout(sparse)
     indices, offsets, per_sample_weights, mode, padding_idx = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx, bounds_check, name)
