@@ -193,3 +193,29 @@ def test_per_sample_weights_get_gradients_with_a_fused_table(device):
     p2 = p.detach().clone().requires_grad_()
     F.embedding_bag(x, m.weight.detach(), off, mode="sum", per_sample_weights=p2).sum().backward()
     assert_close(p.grad, p2.grad, torch.float32, reduction=4)
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=requires_kernels)], ids=["reference", "kernel"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_is_unbiased_between_the_two_neighbours(kernel, dtype):
+    """Each weight's exact update lands a quarter of an ulp past +-1: round to nearest loses it;
+    stochastic rounding moves about a quarter of the weights one ulp, and only those."""
+    N, D = 64, 64
+    device = KERNEL_DEVICE if kernel else "cpu"
+    ulp = torch.finfo(dtype).eps  # the spacing just above 1.0
+    sign = torch.where(torch.arange(N, device=device) % 2 == 0, 1.0, -1.0)[:, None]
+    ids = torch.arange(N, device=device)
+    src = -0.25 * ulp * sign.expand(N, D)  # SGD lr=1: w - g = sign * (1 + ulp / 4)
+    moved = {}
+    for rounding in (False, True):
+        w = (sign * torch.ones(N, D, device=device)).to(dtype)
+        for _ in range(2):  # the same step twice: the same random bits
+            w_step = w.clone()
+            apply_sparse_update(w_step, {}, SGD(lr=1.0, stochastic_rounding=rounding), ids, src, step=5,
+                                kernel=kernel)
+            assert moved.get(rounding) is None or torch.equal(w_step, moved[rounding])
+            moved[rounding] = w_step
+    assert torch.equal(moved[False], (sign * torch.ones(N, D, device=device)).to(dtype))
+    magnitude = moved[True].abs().double()
+    assert bool(((magnitude == 1) | (magnitude == 1 + ulp)).all())
+    assert abs((magnitude > 1).double().mean().item() - 0.25) < 0.03  # 4.4 sigma over 4096 weights

@@ -14,6 +14,7 @@ from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, segment_rows, single_table
 from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
 from embfuse.ops.embedding_bag import MEAN
+from embfuse.optim.rules import stochastic_round_reference
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -29,7 +30,7 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
     g = torch.zeros(touched.numel(), src.shape[1], dtype=acc, device=src.device).index_add_(0, inverse, rows[keep])
     w, st = optimizer.update(weight[touched].to(acc), g, {k: v[touched].to(acc) for k, v in state.items()}, step)
     with torch.no_grad():
-        weight[touched] = w.to(weight.dtype)
+        weight[touched] = stochastic_round_reference(w, weight.dtype, optimizer.dropped_bits(weight.dtype), step)
         for k, v in st.items():
             state[k][touched] = v.to(state[k].dtype)
 
@@ -37,9 +38,10 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
 @triton.jit
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-    weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+    weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
+    DROP: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
@@ -66,6 +68,9 @@ def _fused_update_kernel(
         tl.store(state1 + at, mo, mask=m)
         tl.store(state2 + at, v, mask=m)
         w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
+    if DROP > 0:  # stochastic rounding: DROP random bits added below the stored precision, then cut
+        noise = tl.randint(seed, at) >> (32 - DROP)  # uint32 throughout: shifts keep the type
+        w = (((w.to(tl.uint32, bitcast=True) + noise) >> DROP) << DROP).to(tl.float32, bitcast=True)
     tl.store(weight + at, w.to(weight.dtype.element_ty), mask=m)
 
 
@@ -76,7 +81,8 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
         return
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
     Segments(keys, layout, src, **src_args).launch(_fused_update_kernel, weight, states[0], states[1],
-                                                   *optimizer.scalars(step), KIND=optimizer.kind)
+                                                   *optimizer.scalars(step), step, KIND=optimizer.kind,
+                                                   DROP=optimizer.dropped_bits(weight.dtype))
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,

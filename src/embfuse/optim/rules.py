@@ -5,20 +5,49 @@ exact optimizers do); L2 weight decay adds weight_decay * w to g, as torch.optim
 touches are left alone (lazy), which equals torch.optim on the dense gradient for SGD and Adagrad
 (a zero gradient changes neither their weights nor their state) and for Adam on rows whose
 moments are zero. Argument names and defaults are torch.optim's.
+
+fp16 and bf16 tables keep fp32 state; with `stochastic_rounding=True` (keyword only) their
+updated weights are rounded up or down at random, in proportion to the distance to each
+neighbour (unbiased: small updates are not lost to round-to-nearest). The random bits come from
+the step number and the element's position, so a run resumed from a checkpoint rounds the same.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2, 3
+# mantissa bits that rounding an fp32 value to the table's dtype drops
+DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
 
 @dataclass(frozen=True)
-class SGD:
+class _Rule:
+    stochastic_rounding: bool = field(default=False, kw_only=True)
+
+    def dropped_bits(self, dtype) -> int:
+        """Bits to round away at random when storing to `dtype` (0: round to nearest)."""
+        return DROPPED_BITS.get(dtype, 0) if self.stochastic_rounding else 0
+
+
+def stochastic_round_reference(x: torch.Tensor, dtype, drop: int, seed: int) -> torch.Tensor:
+    """fp32 `x` to `dtype`, adding `drop` random low bits to the magnitude before clearing them
+    (rounds away from zero with probability equal to the dropped fraction). Its own random bits
+    from `seed`: equal in distribution to the kernel's, not bitwise."""
+    if drop == 0:
+        return x.to(dtype)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << drop, x.shape, generator=gen, device=x.device, dtype=torch.int64)
+    bits = (x.float().view(torch.int32).long() & 0xFFFFFFFF) + noise
+    bits = bits & (0xFFFFFFFF ^ ((1 << drop) - 1))
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32).to(dtype)
+
+
+@dataclass(frozen=True)
+class SGD(_Rule):
     lr: float = 1e-3
     weight_decay: float = 0.0
     kind = SGD_KIND
@@ -36,7 +65,7 @@ class SGD:
 
 
 @dataclass(frozen=True)
-class Adagrad:
+class Adagrad(_Rule):
     lr: float = 1e-2
     lr_decay: float = 0.0
     weight_decay: float = 0.0
@@ -58,7 +87,7 @@ class Adagrad:
 
 
 @dataclass(frozen=True)
-class RowWiseAdagrad:
+class RowWiseAdagrad(_Rule):
     """FBGEMM's row-wise Adagrad: one accumulator per row, fed the mean of g^2 over the row."""
 
     lr: float = 1e-2
@@ -80,7 +109,7 @@ class RowWiseAdagrad:
 
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(_Rule):
     """torch.optim.Adam's rule on the touched rows only (lazy, like torch.optim.SparseAdam; the
     step count is global, one per backward)."""
 
