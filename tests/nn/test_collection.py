@@ -181,3 +181,37 @@ def test_embedding_collection_with_a_fused_optimizer(device):
     changed = (ec.weights != before).nonzero().flatten().tolist()
     assert changed == [112, 113, 114, 115]  # item row 8 = global row 28, its 4 elements
     assert torch.allclose(ec.weights[112:116], before[112:116] - 0.1, atol=1e-6)  # Adagrad's first step: lr * sign
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", ["bag", "sequence"])
+def test_statistics_count_each_tables_lookups(device, cls):
+    """Against a plain Counter per table: features sharing a table counted together, an empty
+    feature, the hottest rows in order (count, then row)."""
+    from collections import Counter
+
+    keys = ["uid", "friend", "iid", "genres"]
+    if cls == "bag":
+        ebc = EmbeddingBagCollection(tables(), device=device)
+    else:
+        ebc = EmbeddingCollection([EmbeddingConfig(num_embeddings=n, embedding_dim=4, name=t.name,
+                                                   feature_names=t.feature_names)
+                                   for n, t in zip((20, 9, 5), tables())], device=device)
+    kjt = random_kjt(keys, 40, device)
+    stats = ebc.statistics(kjt, top_k=3)
+    counts = {t.name: Counter() for t in ebc.tables}
+    for k, jt in kjt.to_dict().items():
+        counts[ebc.tables[ebc._table_of[k]].name].update(jt.values().tolist())
+    assert counts["genre"] == Counter()  # random_kjt leaves the last feature empty
+    for name, c in counts.items():
+        s = stats[name]
+        assert (s.lookups, s.distinct) == (sum(c.values()), len(c))
+        assert s.hottest == sorted(c.items(), key=lambda rc: (-rc[1], rc[0]))[:3]
+
+
+def test_statistics_reject_bad_ids_like_the_forward():
+    ebc = EmbeddingBagCollection(tables())
+    kjt = KeyedJaggedTensor(["uid", "friend", "iid", "genres"], torch.tensor([3, 9, 1]),
+                            lengths=torch.tensor([1, 0, 1, 1]))
+    with pytest.raises(IndexError, match="iid"):
+        ebc.statistics(kjt)

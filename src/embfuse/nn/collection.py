@@ -48,6 +48,16 @@ def _pooling(pooling) -> str:
 
 
 @dataclass
+class TableStatistics:
+    """What one batch asked of one table: ids looked up (duplicates counted), distinct rows, and
+    the hottest rows as (row, times looked up), most looked-up first (ties: lower row first)."""
+
+    lookups: int
+    distinct: int
+    hottest: list[tuple[int, int]]
+
+
+@dataclass
 class EmbeddingConfig:
     """One table (TorchRec's field names). Default init: uniform in +-sqrt(1 / num_embeddings)."""
 
@@ -88,6 +98,7 @@ class _Collection(_FusedMixin, torch.nn.Module):
             if t.num_embeddings <= 0 or t.embedding_dim <= 0:
                 raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
         self.tables = list(tables)
+        self._table_of = {f: i for i, t in enumerate(tables) for f in t.feature_names}
         self._shapes = [(t.num_embeddings, t.embedding_dim) for t in tables]
         self._row_starts, self._starts = table_starts(*zip(*self._shapes))
         self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
@@ -144,6 +155,37 @@ class _Collection(_FusedMixin, torch.nn.Module):
         state_dict[prefix + "weights"] = torch.cat(parts)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def statistics(self, features: KeyedJaggedTensor, top_k: int = 5) -> dict[str, TableStatistics]:
+        """Per table, what the batch `features` looks up (see TableStatistics), features that
+        share a table counted together. On request only: the lookups never compute it. A few
+        device ops over the batch and one host read; bad ids raise as in the forward."""
+        kjt = self._features(features)
+        keys, B = kjt.keys(), kjt.stride()
+        plan = self._plan(keys, self.weights.device)
+        values, offsets, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan, B, keys,
+                                                 [self.tables[self._table_of[k]].name for k in keys], "raise")
+        T, dev = len(self.tables), values.device
+        starts = torch.tensor(self._row_starts, device=dev)
+        feature = bag_of_value(offsets, values.numel()) // max(B, 1)
+        table = torch.tensor(plan.feature_table, dtype=torch.int64, device=dev)[feature]
+        rows, counts = torch.unique(plan.meta[:, ROW_START][feature] + values.long(), return_counts=True)
+        row_table = torch.bucketize(rows, starts[1:], right=True)
+        # within each table: most looked-up first, ties by row (stable sorts, torch.unique's order)
+        order = torch.argsort(counts, descending=True, stable=True)
+        order = order[torch.argsort(row_table[order], stable=True)]
+        lookups = torch.bincount(table, minlength=T)
+        distinct = torch.bincount(row_table, minlength=T)
+        first = torch.cumsum(distinct, 0) - distinct
+        rank = torch.arange(order.numel(), device=order.device) - first[row_table[order]]
+        top = order[rank < top_k]
+        local = rows[top] - starts[row_table[top]]
+        lookups, distinct, top_table, local, top_counts = (
+            t.tolist() for t in (lookups, distinct, row_table[top], local, counts[top]))
+        out = {t.name: TableStatistics(lookups[i], distinct[i], []) for i, t in enumerate(self.tables)}
+        for i, r, c in zip(top_table, local, top_counts):
+            out[self.tables[i].name].hottest.append((r, c))
+        return out
 
     def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch restricted to this collection's features (extra keys dropped)."""
@@ -214,7 +256,12 @@ class EmbeddingCollection(_Collection):
         super().__init__(tables, device, optimizer, bounds_check)
         self.embedding_dim = dims.pop()
         self.feature_names = [f for t in tables for f in t.feature_names]
-        self._table_of = {f: i for i, t in enumerate(tables) for f in t.feature_names}
+
+    def _plan(self, keys: list[str], device) -> Plan:
+        key = (tuple(keys), device)
+        if key not in self._plans:
+            self._plans[key] = Plan(self._shapes, [(self._table_of[k], "sum", 0) for k in keys], device)
+        return self._plans[key]
 
     def set_optimizer(self, optimizer) -> None:
         super().set_optimizer(optimizer)
@@ -227,11 +274,7 @@ class EmbeddingCollection(_Collection):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
-        plan = self._plans.get((tuple(keys), self.weights.device))
-        if plan is None:
-            feats = [(self._table_of[k], "sum", 0) for k in keys]
-            plan = self._plans.setdefault((tuple(keys), self.weights.device),
-                                          Plan(self._shapes, feats, self.weights.device))
+        plan = self._plan(keys, self.weights.device)
         values, offsets, _ = validate_collection(
             kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._table_of[k]].name for k in keys],
             self.bounds_check)

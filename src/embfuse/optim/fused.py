@@ -35,7 +35,9 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
             state[k][touched] = v.to(state[k].dtype)
 
 
-@triton.jit
+# the seed is the step number: specialising on it (1, multiples of 16) would compile new
+# variants in the middle of training, seconds each
+@triton.jit(do_not_specialize=["seed"])
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
