@@ -28,7 +28,7 @@ try:
         pass
 except ImportError:  # pragma: no cover - exercised by tests/test_import.py in a subprocess
     HAS_TRITON = False
-    triton = types.SimpleNamespace(jit=lambda fn=None, **_: fn)
+    triton = types.SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f))
     tl = types.SimpleNamespace(constexpr=object)
 
     def wrap_triton(fn):
