@@ -39,6 +39,27 @@ def plan(device):
 
 
 @requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_kernel_with_vector_loads_matches_float64(dtype):
+    """Widths that are all multiples of 4 (vector loads), one wider than a column block (260:
+    a second, mostly masked block) and narrower ones that leave blocks idle."""
+    tables = [(11, 8), (7, 260), (5, 4), (9, 12)]
+    P = Plan(tables, [(0, "sum", 0), (1, "mean", 8), (2, "sum", 268), (3, "sum", 272), (0, "sum", 284)],
+             KERNEL_DEVICE)
+    assert P.layout.vec == 4
+    B, F = 6, 5
+    lengths = torch.randint(0, 5, (F * B,))
+    feats = torch.arange(F).repeat_interleave(B).repeat_interleave(lengths)
+    rows = torch.tensor([tables[t][0] for t in (0, 1, 2, 3, 0)])[feats]
+    values = (torch.rand(feats.numel()) * rows).long().to(KERNEL_DEVICE)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
+    out = collection_forward(weights, values, offsets, None, P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
+    ref = collection_reference(weights.double(), values, offsets, None, P.meta, B, P.total_dim, P.max_dim)
+    assert_close(out, ref, dtype, reduction=4)
+
+
+@requires_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -48,7 +69,7 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted)
     values, offsets = values.to(index_dtype), offsets.to(index_dtype)
     weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
-    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim)
+    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
     ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta, B,
                                P.total_dim, P.max_dim)
     assert_close(out, ref, dtype, reduction=4)

@@ -109,27 +109,32 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, meta, out, B, stride_o, stride_m,
-    HAS_PSW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+    HAS_PSW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
     first_col = tl.program_id(1) * BLOCK_D
-    D = tl.load(meta + f * stride_m + 1)
+    # widths, table starts and output columns are multiples of VEC (the widths' power-of-two
+    # factor): said so, the row gathers become VEC-wide vector loads (16 bytes for fp32 at VEC
+    # 4); read from `meta` unannotated they were 4-byte loads
+    D = tl.multiple_of(tl.load(meta + f * stride_m + 1), VEC)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
-        cmask = cols < D
+        cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
         start = tl.load(offsets + g).to(tl.int64)
         end = tl.load(offsets + g + 1).to(tl.int64)
-        result, _ = pool_bag(weights + tl.load(meta + f * stride_m), values, psw, start, end, cols, cmask, D, -1,
-                             0, HAS_PSW, False, BLOCK_L, BLOCK_D, EVICT)
+        table = weights + tl.multiple_of(tl.load(meta + f * stride_m), VEC)
+        result, _ = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, 0, HAS_PSW, False, BLOCK_L,
+                             BLOCK_D, EVICT)
         if tl.load(meta + f * stride_m + 3) == 1:  # mean
             result = result / tl.maximum(end - start, 1).to(tl.float32)
         b = g - f * B
-        tl.store(out + b * stride_o + tl.load(meta + f * stride_m + 2) + cols, result.to(out.dtype.element_ty),
-                 mask=cmask)
+        col = tl.multiple_of(tl.load(meta + f * stride_m + 2), VEC)
+        tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
-def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1):
+    """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads."""
     F = meta.shape[0]
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
@@ -138,7 +143,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     cfg = _config(max_dim, avg) if tracing() else _config_cached(max_dim, avg)
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0), meta.stride(0),
-        HAS_PSW=psw is not None, **cfg)
+        HAS_PSW=psw is not None, VEC=vec, **cfg)
     return out
 
 
@@ -206,9 +211,9 @@ def collection_backward_reference(grad, values, offsets, psw, meta, B, num_eleme
     return out.to(grad.dtype)
 
 
-def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec):
     if use_kernels(weights) and weights.dtype != torch.float64:
-        return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim)
+        return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec)
     return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim)
 
 
@@ -216,7 +221,7 @@ def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim):
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                    meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int,
                    wide_keys: bool) -> Tensor:
-    return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim)
+    return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec)
 
 
 @_collection_op.register_fake
@@ -266,7 +271,8 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
         L = plan.layout
         return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, plan.src_meta, B,
                               plan.total_dim, plan.max_dim, L.vec, L.wide_keys)
-    return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim)
+    return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim,
+                         plan.layout.vec)
 
 
 def validate_collection(values: Tensor, offsets: Tensor, psw: Optional[Tensor], plan: Plan, B: int,

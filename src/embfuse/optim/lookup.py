@@ -77,7 +77,8 @@ class _FusedCollection(torch.autograd.Function):
     def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused):
         ctx.save_for_backward(values, offsets, psw)
         ctx.weights, ctx.plan, ctx.B, ctx.fused = weights, plan, B, fused
-        return _pool_collection(weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim)
+        return _pool_collection(weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
+                                plan.layout.vec)
 
     @staticmethod
     def backward(ctx, grad):
