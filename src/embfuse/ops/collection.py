@@ -133,14 +133,15 @@ def _collection_fwd_kernel(
         tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
-def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1):
-    """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads."""
+def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None):
+    """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
+    `config`: launch-shape overrides for sweeps (see embedding_bag._config)."""
     F = meta.shape[0]
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
         return out
     avg = next_pow2(max(1, values.numel() // max(1, F * B)))
-    cfg = _config(max_dim, avg) if tracing() else _config_cached(max_dim, avg)
+    cfg = _config(max_dim, avg, config) if config or tracing() else _config_cached(max_dim, avg)
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0), meta.stride(0),
         HAS_PSW=psw is not None, VEC=vec, **cfg)
