@@ -265,14 +265,16 @@ def test_large_table_int64_addressing():
 @requires_kernels
 @pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False)])
 @pytest.mark.parametrize("padding_idx", [-1, 3])
-def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted):
+@pytest.mark.parametrize("num_weights", [None, 6])
+def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted, num_weights):
     """Per-position ids, bags and scales of the backward: empty bags, padding (not counted by
     mean), and positions past the last offset (include_last_offset) that belong to no bag."""
     indices = torch.randint(0, 6, (150,), device=KERNEL_DEVICE)
     offsets = torch.tensor([0, 0, 7, 70, 71, 71, 140], device=KERNEL_DEVICE)  # 10 positions past the end
     psw = torch.rand(150, device=KERNEL_DEVICE) if weighted else None
-    got = backward_inputs(indices, offsets, psw, mode, padding_idx, kernel=True)
+    got = backward_inputs(indices, offsets, psw, mode, padding_idx, kernel=True, num_weights=num_weights)
     want = backward_inputs_reference(indices, offsets, psw, mode, padding_idx)
+    assert got[0].dtype == (torch.int32 if num_weights else indices.dtype)  # the sort keys' type when known
     assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1])
     keep = want[0] >= 0  # scales of positions that feed nothing do not matter
     assert (got[2] is None) == (want[2] is None)

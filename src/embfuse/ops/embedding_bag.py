@@ -229,16 +229,18 @@ def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B
             tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
 
 
-def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None):
+def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None, num_weights=None):
     """`backward_inputs_reference` in one launch (a program a bag) instead of about ten torch
-    ops; ids in the indices' dtype, bags int32 while they fit. `kernel`: force the kernel (True,
-    as the kernel backward does, interpreted on the CPU in tests) or the torch ops; None: by
-    device."""
+    ops; bags int32 while they fit, ids int32 for tables of fewer than 2^31 rows (`num_weights`;
+    the sort keys' type, so the segment reduction converts nothing), else the indices' dtype.
+    `kernel`: force the kernel (True, as the kernel backward does, interpreted on the CPU in
+    tests) or the torch ops; None: by device."""
     if not (use_kernels(indices) if kernel is None else kernel):
         return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
     n, B = indices.numel(), offsets.numel() - 1
     dev = indices.device
-    ids = torch.empty(n, dtype=indices.dtype, device=dev)
+    narrow = num_weights is not None and num_weights < 2**31
+    ids = torch.empty(n, dtype=torch.int32 if narrow else indices.dtype, device=dev)
     bag = torch.empty(n, dtype=torch.int32 if B < 2**31 else torch.int64, device=dev)
     scaled = per_sample_weights is not None or mode == MEAN
     scale = torch.empty(n if scaled else 0, dtype=torch.float32, device=dev)
@@ -274,7 +276,8 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                            scale_grad_by_freq):
     """Dense weight gradient through the deterministic Triton segment reduction."""
     return _backward(grad.contiguous(), indices, offsets, per_sample_weights, max_ids, num_weights, mode,
-                     padding_idx, scale_grad_by_freq, segment_grad, functools.partial(backward_inputs, kernel=True))
+                     padding_idx, scale_grad_by_freq, segment_grad,
+                     functools.partial(backward_inputs, kernel=True, num_weights=num_weights))
 
 
 def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx):
@@ -337,7 +340,8 @@ def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode,
     kernel = use_kernels(grad) and grad.dtype != torch.float64
     if offsets.numel() == 1:
         return rowwise_coo(indices.new_empty(0).long(), grad.new_empty(0, grad.shape[1]), num_weights)
-    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel)
+    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel,
+                                      num_weights=num_weights)
     reduce = rowwise_grad if kernel else rowwise_grad_reference
     touched, values = reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
     return rowwise_coo(touched, values, num_weights)

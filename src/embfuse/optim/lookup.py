@@ -46,7 +46,8 @@ class _FusedBag(torch.autograd.Function):
         fused = ctx.fused
         fused.step += 1
         if offsets.numel() > 1:
-            ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx)
+            ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
+                                              num_weights=ctx.weight.shape[0])
             apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
                                 fused.step, ctx.padding_idx)
         return None, None, None, None, grad_psw, None, None, None
