@@ -35,9 +35,14 @@ except ImportError:  # pragma: no cover - exercised by tests/test_import.py in a
         raise RuntimeError("Triton is not installed")
 
 
+# Triton decides at @triton.jit time whether a kernel is interpreted: read the variable once,
+# when the kernel modules (which import this one first) are defined
+_INTERPRETING = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): the CI kernel tests."""
-    return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -140,6 +145,6 @@ def launch(kernel):
     of each specialisation."""
     if tracing():
         return wrap_triton(kernel)
-    if native_specialize_impl is None or interpreting():
+    if native_specialize_impl is None or _INTERPRETING:
         return kernel
     return _direct(kernel)

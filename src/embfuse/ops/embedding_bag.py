@@ -165,13 +165,18 @@ def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
     return {"BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": cfg["num_warps"], "EVICT": cfg["evict"]}
 
 
-def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None):
-    """Triton launcher for the canonical form; same results as `embedding_bag_reference`."""
+def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
+                          with_max_ids=True):
+    """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
+    with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
+    (None instead), one allocation less on the host path of a small call."""
     B, D = offsets.numel() - 1, weight.shape[1]
     out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
-    max_ids = torch.empty(B if mode == MAX else 0, D, dtype=torch.int64, device=weight.device)
-    if mode != MAX:
-        max_ids = max_ids.view(0)
+    max_ids = None
+    if mode == MAX:
+        max_ids = torch.empty(B, D, dtype=torch.int64, device=weight.device)
+    elif with_max_ids:
+        max_ids = torch.empty(0, dtype=torch.int64, device=weight.device)
     if B == 0 or D == 0:
         return out, max_ids
     avg = next_pow2(max(1, indices.numel() // B))
@@ -280,9 +285,10 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                      functools.partial(backward_inputs, kernel=True, num_weights=num_weights))
 
 
-def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx):
+def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True):
     if use_kernels(weight) and weight.dtype != torch.float64:
-        return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+        return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
+                                     with_max_ids=with_max_ids)
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
@@ -500,5 +506,5 @@ def embedding_bag(
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
-        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False)
     return out

@@ -32,7 +32,7 @@ class FusedOptimizer:
 class _FusedBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, weight, indices, offsets, psw, mode, padding_idx, fused):
-        out, _ = _pool(weight, indices, offsets, psw, mode, padding_idx)
+        out, _ = _pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False)
         ctx.save_for_backward(indices, offsets, psw)
         ctx.weight, ctx.mode, ctx.padding_idx, ctx.fused = weight, mode, padding_idx, fused
         return out
