@@ -28,9 +28,9 @@ import torch
 from embfuse._triton import cdiv, launch, next_pow2, tl, tracing, triton
 
 
-def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
-    """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
-    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+def _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype):
+    """Each position's scaled gradient row in `acc_dtype`, and the mask of positions that name a
+    row (not -1, not padding): what every pure-torch reduction starts from."""
     rows = src.to(acc_dtype)
     if src_row is not None:
         rows = rows[src_row]
@@ -39,6 +39,13 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     keep = ids >= 0
     if padding_idx >= 0:
         keep = keep & (ids != padding_idx)
+    return rows, keep
+
+
+def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
+    """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
     ids_k = torch.where(keep, ids, 0).long()
     rows = rows * keep[:, None]
     grad = torch.zeros(num_rows, src.shape[1], dtype=acc_dtype, device=src.device).index_add_(0, ids_k, rows)
@@ -48,6 +55,15 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
         )
         grad = grad / counts.clamp(min=1)[:, None]
     return grad.to(out_dtype)
+
+
+def row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype):
+    """Pure torch: (the distinct rows named, ascending; their summed gradient rows in
+    `acc_dtype`; each named position's index among them)."""
+    rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
+    touched, inverse = torch.unique(ids[keep].long(), return_inverse=True)
+    sums = torch.zeros(touched.numel(), src.shape[1], dtype=acc_dtype, device=src.device)
+    return touched, sums.index_add_(0, inverse, rows[keep]), inverse
 
 
 class Layout:
@@ -332,15 +348,7 @@ def rowwise_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     gradient rows), the sums `segment_grad_reference` would write at those rows. Arguments as
     `segment_grad_reference`'s."""
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
-    rows = src.to(acc_dtype) if src_row is None else src.to(acc_dtype)[src_row]
-    if scale is not None:
-        rows = rows * scale.to(acc_dtype)[:, None]
-    keep = ids >= 0
-    if padding_idx >= 0:
-        keep = keep & (ids != padding_idx)
-    touched, inverse = torch.unique(ids[keep].long(), return_inverse=True)
-    values = torch.zeros(touched.numel(), src.shape[1], dtype=acc_dtype, device=src.device)
-    values.index_add_(0, inverse, rows[keep])
+    touched, values, inverse = row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype)
     if scale_by_freq:
         values = values / torch.bincount(inverse, minlength=touched.numel()).clamp(min=1)[:, None].to(acc_dtype)
     return touched, values.to(out_dtype)
@@ -360,7 +368,10 @@ def rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     return touched, values
 
 
-def rowwise_coo(touched, values, num_rows):
-    """The row-wise gradient as torch's sparse tensor: coalesced, one entry per touched row."""
+def rowwise_sparse_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, kernel):
+    """sparse="rowwise": the row-wise gradient (Triton when `kernel`, else the reference) as
+    torch's sparse tensor, coalesced, one entry per touched row."""
+    reduce = rowwise_grad if kernel else rowwise_grad_reference
+    touched, values = reduce(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, src.dtype)
     return torch.sparse_coo_tensor(touched[None], values, (num_rows, values.shape[1]), is_coalesced=True,
                                    check_invariants=False)

@@ -27,8 +27,8 @@ BAD_ID = 1
 BAD_OFFSETS = 2
 
 
-SPARSE_LAYOUTS = {False: 0, True: 1, "coo": 1, "rowwise": 2}  # dense, torch's COO, one entry per row
-DENSE, COO, ROWWISE = 0, 1, 2
+DENSE, COO, ROWWISE = 0, 1, 2  # gradient layouts: dense, torch's COO, one entry per row
+SPARSE_LAYOUTS = {False: DENSE, True: COO, "coo": COO, "rowwise": ROWWISE}
 
 
 def sparse_layout(sparse) -> int:

@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import (rowwise_coo, rowwise_grad, rowwise_grad_reference, segment_grad,
-                                  segment_grad_reference)
+from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
                                    sparse_layout, validate_ids)
 
@@ -107,10 +106,8 @@ def _autograd_backward(ctx, grad):
     if not ctx.needs_input_grad[0]:
         return None, None, None, None, None
     if sparse == ROWWISE:
-        kernel = use_kernels(grad) and grad.dtype != torch.float64
-        reduce = rowwise_grad if kernel else rowwise_grad_reference
-        g = rowwise_coo(*reduce(indices.long(), grad, None, None, num_weights, padding_idx, scale_grad_by_freq,
-                                grad.dtype), num_weights)
+        g = rowwise_sparse_grad(indices.long(), grad, None, None, num_weights, padding_idx, scale_grad_by_freq,
+                                use_kernels(grad) and grad.dtype != torch.float64)
     elif sparse == COO:
         g = _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     else:

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
-from embfuse.ops._segment import (rowwise_coo, rowwise_grad, rowwise_grad_reference, segment_grad,
-                                  segment_grad_reference)
+from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
                                    sparse_layout, validate_bags)
 
@@ -344,13 +343,12 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
 def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq):
     """sparse="rowwise": one coalesced COO entry per distinct row, summed deterministically."""
     kernel = use_kernels(grad) and grad.dtype != torch.float64
-    if offsets.numel() == 1:
-        return rowwise_coo(indices.new_empty(0).long(), grad.new_empty(0, grad.shape[1]), num_weights)
+    if offsets.numel() == 1:  # no bags: no position names a row
+        return rowwise_sparse_grad(indices.new_empty(0).long(), grad[:0], None, None, num_weights, padding_idx,
+                                   False, False)
     ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel,
                                       num_weights=num_weights)
-    reduce = rowwise_grad if kernel else rowwise_grad_reference
-    touched, values = reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
-    return rowwise_coo(touched, values, num_weights)
+    return rowwise_sparse_grad(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, kernel)
 
 
 def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import tl, triton, use_kernels
-from embfuse.ops._segment import Layout, Segments, segment_rows, single_table
+from embfuse.ops._segment import Layout, Segments, row_sums_reference, segment_rows, single_table
 from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
 from embfuse.ops.embedding_bag import MEAN
 from embfuse.optim.rules import stochastic_round_reference
@@ -20,14 +20,7 @@ from embfuse.optim.rules import stochastic_round_reference
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
     """Pure torch: sum the gradient rows per distinct id (in input order), update those rows."""
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    keep = ids >= 0
-    if padding_idx >= 0:
-        keep &= ids != padding_idx
-    rows = src.to(acc) if src_row is None else src.to(acc)[src_row]
-    if scale is not None:
-        rows = rows * scale.to(acc)[:, None]
-    touched, inverse = torch.unique(ids[keep], return_inverse=True)
-    g = torch.zeros(touched.numel(), src.shape[1], dtype=acc, device=src.device).index_add_(0, inverse, rows[keep])
+    touched, g, _ = row_sums_reference(ids, src, src_row, scale, padding_idx, acc)
     w, st = optimizer.update(weight[touched].to(acc), g, {k: v[touched].to(acc) for k, v in state.items()}, step)
     with torch.no_grad():
         weight[touched] = stochastic_round_reference(w, weight.dtype, optimizer.dropped_bits(weight.dtype), step)
