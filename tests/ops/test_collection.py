@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from embfuse.ops import _segment
 from embfuse.ops.collection import (Plan, backward_inputs, backward_inputs_reference, collection_backward,
                                     collection_backward_reference, collection_forward, collection_reference)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -103,9 +104,13 @@ def test_fused_update_kernel_matches_the_reference(opt):
 
 @requires_kernels
 @pytest.mark.parametrize("opt", [None, SGD(lr=0.1), RowWiseAdagrad(lr=0.1)], ids=["grad", "sgd", "rowwise"])
-def test_hot_rows_of_many_tables_through_every_level(opt):
-    """~5000 ids, 80% on one row of each table: level 1 (32 ids a tile), 2 and 3 all carry runs
-    across tile edges, with entries of different tables (and none) side by side."""
+@pytest.mark.parametrize("tiles", ["small", "large"])
+def test_hot_rows_of_many_tables_through_every_level(opt, tiles, monkeypatch):
+    """~5000 ids, 80% on one row of each table: several levels carry runs across tile edges,
+    with entries of different tables (and none) side by side; in the tile shape of small levels
+    and (forced) in that of large ones."""
+    if tiles == "large":
+        monkeypatch.setattr(_segment, "SMALL_LEVEL", 0)
     B = 48
     P = plan(KERNEL_DEVICE)
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=True, max_len=40, hot=True)

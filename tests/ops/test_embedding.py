@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 import embfuse
 from embfuse.ops.embedding import embedding_forward, embedding_reference
+from embfuse.ops import _segment
 from embfuse.ops._segment import (Layout, reduce_segments, rowwise_grad, rowwise_grad_reference, segment_grad,
                                   segment_grad_reference, single_table)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
@@ -78,10 +79,14 @@ def test_opcheck_and_compile(device):
 
 @requires_kernels
 @pytest.mark.parametrize("freq", [False, True])
-@pytest.mark.parametrize("D", [3, 129])
-def test_backward_hot_row_spanning_tiles(freq, D):
-    """A row seen hundreds of times spans many tiles (D=3: 128 positions a tile, two levels;
-    D=129: 16 a tile: four levels, the hot row crossing tiles in three)."""
+@pytest.mark.parametrize("D", [3, 129, 256])
+@pytest.mark.parametrize("tiles", ["small", "large"])
+def test_backward_hot_row_spanning_tiles(freq, D, tiles, monkeypatch):
+    """A row seen hundreds of times spans many tiles and levels. Both tile shapes: the one of
+    small levels (8 warps), and the one of large levels (one warp a 128 columns: on the GPU the
+    run sums are a scan in registers), forced here on a small input."""
+    if tiles == "large":
+        monkeypatch.setattr(_segment, "SMALL_LEVEL", 0)
     n = 1200
     ids = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
     ids[: n * 3 // 4] = 9

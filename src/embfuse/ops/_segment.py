@@ -8,8 +8,8 @@ skipped id). Rows live in a `Layout`: one or many tables of any widths packed in
 
 The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
 positions: it gathers their gradient rows as one 2-D tile (all loads in flight) and sums runs of
-equal keys by multiplying the tile with the 0/1 matrix of equal keys (on the tensor cores, exact
-to fp32). A run that starts and ends in the tile is finished there. The partial sums of runs
+equal keys by a segmented scan down the tile, in each thread's registers (_run_sums). A run that
+starts and ends in the tile is finished there. The partial sums of runs
 that cross a tile edge become the entries of level 2, the same problem a tile's size times
 smaller, and so on until one tile holds the rest: a hot row met a million times is finished
 after a few levels of parallel tiles, never by one program walking its run. Fixed orders
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from embfuse._triton import cdiv, launch, next_pow2, tl, tracing, triton
+from embfuse._triton import HAS_TRITON, cdiv, interpreting, launch, next_pow2, tl, tracing, triton
 
 
 def _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype):
@@ -114,16 +114,28 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
     return _single_table(num_rows, dim, device) if tracing() else _single_table_cached(num_rows, dim, device)
 
 
-def level_shape(block_d: int, n: int) -> tuple[int, int]:
-    """(entries a tile, warps) of a level of n entries. Large levels: tiles of about 2048 fp32
-    values, 4 warps; measured on an H100 at D=128 (26-table Criteo step, 21M ids), 16 entries /
-    4 warps beat 16/8 and 32/8 at level 1 (9.1 against 10.1 and 12.1 ms) and 32/4, 32/8, 64/8
-    at level 2 (0.93 against 1.6, 1.3 and 3.8 ms). Levels of at most 64K entries take the GPU
-    microseconds while each launch costs the host tens: tiles of about 8192 values, 8 warps,
-    so that fewer levels follow (a tile of K entries makes K / 2 times fewer)."""
-    if n <= 65536:
+# levels of at most this many entries take the small-level tile shape (see level_shape)
+SMALL_LEVEL = 65536
+
+
+def level_shape(block_d: int, n: int, live: int = 1) -> tuple[int, int]:
+    """(entries a tile, warps) of a level of n entries; `live`: the (BLOCK_K, BLOCK_D) fp32
+    tensors the kernel holds at once after the sums (1 for a gradient, 2 for SGD: the sums and
+    the weights; each element-wise optimizer state adds one).
+
+    Large levels: one warp a program up to 128 columns (one a 128 columns past that), so that
+    the run sums are a scan in each thread's registers (_run_sums), and 32 entries a tile, one
+    a lane, where each entry's own values (sort position, source row, table) are worked out
+    once. Measured on an H100 (benchmarks/NOTES.md, session 6), level 1 of the 26-table Criteo
+    step: 32 entries / 1 warp 3.2 ms; 16 / 1 9.5 ms (Triton then computes every entry's values
+    in every thread); 64 / 1, 32 / 2, 64 / 2, 64 / 4, 128 / 4 11-65 ms (spills, or a scan across
+    warps). With four live tensors (Adam) 32 entries spill: 16 / 1 there (6.8 against 15.5 ms).
+    Levels of at most SMALL_LEVEL entries take the GPU microseconds while each launch costs the
+    host tens: tiles of about 8192 values, 8 warps, so that fewer levels follow (a tile of K
+    entries makes K / 2 times fewer)."""
+    if n <= SMALL_LEVEL:
         return max(16, min(64, 8192 // block_d)), 8
-    return max(16, min(128, 2048 // block_d)), 4
+    return (32 if live <= 2 else 16), max(1, min(8, block_d // 128))
 
 
 def _pow2_factor(*xs) -> int:
@@ -145,7 +157,7 @@ class Segments:
                  src_meta=None):
         self.layout = layout
         self.n = keys.numel()
-        self.block_d = max(16, next_pow2(layout.max_dim))  # tl.dot needs 16
+        self.block_d = max(4, next_pow2(layout.max_dim))
         # int32 keys sort in half the radix passes of int64 ones
         keys = keys.long() if layout.wide_keys else keys.int()
         self.sorted_key, self.perm = torch.sort(keys, stable=True)
@@ -169,15 +181,16 @@ class Segments:
         self.sorted_key = rank.to(self.sorted_key.dtype)
         return uniq
 
-    def launch(self, kernel, *args, count=False, **constexprs):
-        """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
+    def launch(self, kernel, *args, count=False, live=1, **constexprs):
+        """Every level; `args` follow the kernel's shared leading arguments, `live` as
+        level_shape's. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
         tile: the run coming in, the run going on) are the input of the next level, a problem
         a tile's size times smaller, until one tile holds everything."""
         dev = self.sorted_key.device
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
-            block_k, warps = level_shape(self.block_d, n)
+            block_k, warps = level_shape(self.block_d, n, live)
             levels.append((n, block_k, warps, cdiv(n, block_k)))
             if levels[-1][3] == 1:
                 break
@@ -202,24 +215,33 @@ class Segments:
             keys, src, stride, info_in, at = all_keys[out], all_vals[out], self.block_d, all_info[out], out.stop
 
 
-@triton.jit
-def _tf32_part(x):
-    """x with its 13 low mantissa bits cleared: exact as a tf32 operand of the tensor cores."""
-    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+# Triton reads this when the kernels are defined (a constexpr global): see _run_sums
+_INTERPRET = tl.constexpr(interpreting()) if HAS_TRITON else False
 
 
 @triton.jit
-def _sum_equal(same, x):
-    """same @ x for a 0/1 matrix `same`, to fp32 accuracy on the tensor cores: x is split into
-    three tf32 parts (hi + mid + lo == x exactly), so every product is exact and only the fp32
-    accumulation rounds. (tf32, not bf16: the interpreter multiplies bf16 operands wrongly.)"""
-    s = same.to(tl.float32)
-    hi = _tf32_part(x)
-    r = x - hi
-    mid = _tf32_part(r)
-    acc = tl.dot(s, r - mid, input_precision="tf32")
-    acc = tl.dot(s, mid, acc, input_precision="tf32")
-    return tl.dot(s, hi, acc, input_precision="tf32")
+def _seg_add(start_a, a, start_b, b):
+    """The segmented sum's operator: b's run started at or after a's end, or goes on from it."""
+    return start_a | start_b, tl.where(start_b, b, a + b)
+
+
+@triton.jit
+def _run_sums(key, start, x, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For each entry of a tile of sorted keys: the sum of x over its run of equal keys, from
+    the run's first entry in the tile up to and including itself (an inclusive segmented scan;
+    `start` marks each run's first entry). On the GPU a scan down the tile: with one warp a
+    program every entry of a column sits in one thread, so it is BLOCK_K - 1 adds in registers
+    (no shuffles, no shared memory; checked in the PTX). The interpreter runs a scan one element
+    at a time in Python (seconds a tile), so there the same sums are taken as one masked sum,
+    in another order: the two may differ in the last bit, each is deterministic."""
+    if _INTERPRET:
+        j = tl.arange(0, BLOCK_K)
+        upto = (key[:, None] == key[None, :]) & (j[None, :] <= j[:, None])
+        return tl.sum(tl.where(upto[:, :, None], x[None, :, :], 0.0), axis=1)
+    else:
+        flags = tl.broadcast_to(start[:, None], (BLOCK_K, BLOCK_D))
+        _, sums = tl.associative_scan((flags, x), 0, _seg_add)
+        return sums
 
 
 @triton.jit
@@ -270,10 +292,11 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     # the row's table from the source side: its feature's first element and global row of key 0
     base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=inside, other=0) + key * D, VEC)
     row = tl.load(src_meta + 4 * f + 3, mask=inside, other=0) + key
-    # each key's total within the tile, in a fixed order: the 0/1 matrix of equal keys times the tile
-    same = key[:, None] == key[None, :]
-    acc = _sum_equal(same, x)
-    if COUNT:
+    # each run's sum within the tile so far, in a fixed order
+    start = (j == first) | (key != tl.load(keys + j - 1, mask=inside & (j > first), other=-2))
+    acc = _run_sums(key, start, x, BLOCK_K, BLOCK_D)
+    if COUNT:  # each run's count within the tile, at every one of its entries
+        same = key[:, None] == key[None, :]
         if FIRST:
             cnt = tl.sum((same & real[None, :]).to(tl.int32), axis=1)
         else:
@@ -282,9 +305,11 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     else:
         cnt = tl.zeros([BLOCK_K], dtype=tl.int32)
     ends = inside & (nxt != key)
-    # runs crossing the tile's edges: the first one if it began before this tile, the last one
-    # if it goes on after it; they are finished by a later level
+    # runs crossing the tile's edges: the first one if it began before this tile (its sum here
+    # is at its last entry in the tile), the last one if it goes on after it; they are finished
+    # by a later level
     head_row = real & (j == first) & (key == prev)
+    head_sum = real & (key == prev) & (ends | (j == last))
     tail_row = real & (j == last) & ~ends
     if not LAST:
         slot = 2 * tile + 0 * j
@@ -295,7 +320,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         tl.store(keys_out + slot, tl.where(head_row, key, -1), mask=j == first)
         tl.store(keys_out + slot + 1, tl.where(tail_row, key, -1), mask=j == last)
         at = slot[:, None] * BLOCK_D + cols[None, :]
-        tl.store(vals_out + at, acc, mask=head_row[:, None])
+        tl.store(vals_out + at, acc, mask=head_sum[:, None])
         tl.store(vals_out + at + BLOCK_D, acc, mask=tail_new[:, None])
         # (every slot gets a feature: the next level reads it for any entry, real or not)
         info = info_out + 2 * slot

@@ -75,8 +75,10 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     if keys.numel() == 0 or layout.max_dim == 0:
         return
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
+    # live tiles after the sums: the gradient, the weights, each element-wise state
+    live = 2 + sum(per == "element" for per, _ in optimizer.state_spec().values())
     Segments(keys, layout, src, **src_args).launch(_fused_update_kernel, weight, states[0], states[1],
-                                                   *optimizer.scalars(step), step, KIND=optimizer.kind,
+                                                   *optimizer.scalars(step), step, live=live, KIND=optimizer.kind,
                                                    DROP=optimizer.dropped_bits(weight.dtype))
 
 
