@@ -159,37 +159,42 @@ def backward_inputs_reference(values, offsets, psw, meta, B, wide_keys=True):
 
 
 @triton.jit
-def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, B, stride_m,
-                            HAS_PSW: tl.constexpr, BLOCK: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64)  # one bag (feature-major)
+def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, FB, B, stride_m,
+                            HAS_PSW: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+    # BAGS bags (feature-major) a program, side by side: a program a bag spent most of its
+    # time waiting on the offsets (latency-bound, measured)
+    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
     f = g // B
-    start = tl.load(offsets + g).to(tl.int64)
-    end = tl.load(offsets + g + 1).to(tl.int64)
-    key0 = tl.load(meta + f * stride_m + 6)  # KEY_START
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
     # (IEEE division, as torch divides: the approximate one differs in the last bit)
     inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
-    scale = tl.where(tl.load(meta + f * stride_m + 3) == 1, inv, 1.0)
-    for i in range(start, end, BLOCK):
-        p = i + tl.arange(0, BLOCK)
-        m = p < end
-        tl.store(keys + p, (key0 + tl.load(values + p, mask=m, other=0)).to(keys.dtype.element_ty), mask=m)
-        tl.store(bag_out + p, g.to(bag_out.dtype.element_ty), mask=m)
+    scale = tl.where(tl.load(meta + f * stride_m + 3, mask=real, other=0) == 1, inv, 1.0)
+    for i in range(0, tl.max(end - start), BLOCK):
+        p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
+        m = p < end[:, None]
+        tl.store(keys + p, (key0[:, None] + tl.load(values + p, mask=m, other=0)).to(keys.dtype.element_ty), mask=m)
+        tl.store(bag_out + p, (g[:, None] + 0 * p).to(bag_out.dtype.element_ty), mask=m)
         if HAS_PSW:
-            tl.store(scale_out + p, scale * tl.load(psw + p, mask=m, other=0.0).to(tl.float32), mask=m)
+            w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
+            tl.store(scale_out + p, scale[:, None] * w, mask=m)
         else:
-            tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
+            tl.store(scale_out + p, scale[:, None] + tl.zeros([BAGS, BLOCK], tl.float32), mask=m)
 
 
 def backward_inputs(values, offsets, psw, meta, B, wide_keys=True):
-    """`backward_inputs_reference` in one launch (a program a bag) instead of ten torch ops over
-    every value; keys int32 unless `wide_keys`, bags int32 while they fit."""
+    """`backward_inputs_reference` in one launch instead of ten torch ops over every value;
+    keys int32 unless `wide_keys`, bags int32 while they fit."""
     n, FB = values.numel(), offsets.numel() - 1
     keys = torch.empty(n, dtype=torch.int64 if wide_keys else torch.int32, device=values.device)
     bag = torch.empty(n, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=values.device)
     scale = torch.empty(n, dtype=torch.float32, device=values.device)
     if n and FB:
-        launch(_backward_inputs_kernel)[(FB,)](values, offsets, psw if psw is not None else scale, meta, keys, bag,
-                                               scale, max(B, 1), meta.stride(0), HAS_PSW=psw is not None, BLOCK=64)
+        launch(_backward_inputs_kernel)[(cdiv(FB, 8),)](
+            values, offsets, psw if psw is not None else scale, meta, keys, bag, scale, FB, max(B, 1),
+            meta.stride(0), HAS_PSW=psw is not None, BAGS=8, BLOCK=32)
     return keys, bag, scale
 
 
