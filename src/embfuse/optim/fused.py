@@ -28,6 +28,39 @@ def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, s
             state[k][touched] = v.to(state[k].dtype)
 
 
+@triton.jit
+def _halves(x, BLOCK_K: tl.constexpr):
+    """The first and the last BLOCK_K // 2 entries of a [BLOCK_K] vector."""
+    return tl.split(tl.permute(tl.reshape(x, [2, BLOCK_K // 2]), [1, 0]))
+
+
+@triton.jit
+def _row_halves(x, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The first and the last BLOCK_K // 2 rows of a [BLOCK_K, BLOCK_D] tile: with one warp a
+    program every row of a column sits in one thread, so this renames registers."""
+    return tl.split(tl.permute(tl.reshape(x, [2, BLOCK_K // 2, BLOCK_D]), [1, 2, 0]))
+
+
+@triton.jit
+def _write_rows(weight, w, at, m, seed, DROP: tl.constexpr):
+    """Store the updated fp32 rows `w` at elements `at` in the table's dtype."""
+    if DROP > 0:  # stochastic rounding: DROP random bits added below the stored precision, then cut
+        noise = tl.randint(seed, at) >> (32 - DROP)  # uint32 throughout: shifts keep the type
+        w = (((w.to(tl.uint32, bitcast=True) + noise) >> DROP) << DROP).to(tl.float32, bitcast=True)
+    tl.store(weight + at, w.to(weight.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _step_rows(weight, g, r, base, D, done, seed, VEC: tl.constexpr, BLOCK_D: tl.constexpr, DROP: tl.constexpr):
+    """w -= r * g for the rows `done`: r a per-row factor. (The addresses' 16-byte groups are
+    restated: Triton loses them through the split of `base`, and the accesses were 4-byte.)"""
+    cols = tl.arange(0, BLOCK_D)
+    m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
+    at = tl.max_contiguous(tl.multiple_of(base[:, None] + cols[None, :], [1, VEC]), [1, VEC])
+    w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
+    _write_rows(weight, w - r[:, None] * g, at, m, seed, DROP)
+
+
 # the seed is the step number: specialising on it (1, multiples of 16) would compile new
 # variants in the middle of training, seconds each
 @triton.jit(do_not_specialize=["seed"])
@@ -36,37 +69,52 @@ def _fused_update_kernel(
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
-    DROP: tl.constexpr,
+    DROP: tl.constexpr, HALVES: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
         FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
-    cols = tl.arange(0, BLOCK_D)
-    m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
-    at = base[:, None] + cols[None, :]  # element-wise state shares the weights' layout
-    w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
-    g = g + weight_decay * w
-    if KIND == 0:  # SGD
-        w = w - lr * g
-    elif KIND == 1:  # Adagrad
-        s = tl.load(state1 + at, mask=m, other=0.0) + g * g
-        tl.store(state1 + at, s, mask=m)
-        w = w - lr * g / (tl.sqrt(s) + eps)
-    elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
-        s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-        tl.store(state1 + row, s, mask=done)
-        w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
-    else:  # Adam; lr arrives divided by the first bias correction
-        mo = tl.load(state1 + at, mask=m, other=0.0)
-        mo = mo + (1.0 - beta1) * (g - mo)
-        v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
-        tl.store(state1 + at, mo, mask=m)
-        tl.store(state2 + at, v, mask=m)
-        w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
-    if DROP > 0:  # stochastic rounding: DROP random bits added below the stored precision, then cut
-        noise = tl.randint(seed, at) >> (32 - DROP)  # uint32 throughout: shifts keep the type
-        w = (((w.to(tl.uint32, bitcast=True) + noise) >> DROP) << DROP).to(tl.float32, bitcast=True)
-    tl.store(weight + at, w.to(weight.dtype.element_ty), mask=m)
+    if HALVES:
+        # SGD and row-wise Adagrad without weight decay: the update is w -= r * g with a factor
+        # r per row, so the weights are read and written half the rows at a time, and the sums
+        # and all the weights are never in registers together (which spilled, measured)
+        if KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
+            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+            tl.store(state1 + row, s, mask=done)
+            r = lr / (tl.sqrt(s) + eps)
+        else:
+            r = lr + tl.zeros([BLOCK_K], dtype=tl.float32)
+        g0, g1 = _row_halves(g, BLOCK_K, BLOCK_D)
+        r0, r1 = _halves(r, BLOCK_K)
+        b0, b1 = _halves(base, BLOCK_K)
+        d0, d1 = _halves(D, BLOCK_K)
+        k0, k1 = _halves(done, BLOCK_K)
+        _step_rows(weight, g0, r0, b0, d0, k0, seed, VEC, BLOCK_D, DROP)
+        _step_rows(weight, g1, r1, b1, d1, k1, seed, VEC, BLOCK_D, DROP)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
+        at = base[:, None] + cols[None, :]  # element-wise state shares the weights' layout
+        w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
+        g = g + weight_decay * w
+        if KIND == 0:  # SGD
+            w = w - lr * g
+        elif KIND == 1:  # Adagrad
+            s = tl.load(state1 + at, mask=m, other=0.0) + g * g
+            tl.store(state1 + at, s, mask=m)
+            w = w - lr * g / (tl.sqrt(s) + eps)
+        elif KIND == 2:  # row-wise Adagrad
+            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+            tl.store(state1 + row, s, mask=done)
+            w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
+        else:  # Adam; lr arrives divided by the first bias correction
+            mo = tl.load(state1 + at, mask=m, other=0.0)
+            mo = mo + (1.0 - beta1) * (g - mo)
+            v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
+            tl.store(state1 + at, mo, mask=m)
+            tl.store(state2 + at, v, mask=m)
+            w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
+        _write_rows(weight, w, at, m, seed, DROP)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
@@ -77,9 +125,10 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
     # live tiles after the sums: the gradient, the weights, each element-wise state
     live = 2 + sum(per == "element" for per, _ in optimizer.state_spec().values())
-    Segments(keys, layout, src, **src_args).launch(_fused_update_kernel, weight, states[0], states[1],
-                                                   *optimizer.scalars(step), step, live=live, KIND=optimizer.kind,
-                                                   DROP=optimizer.dropped_bits(weight.dtype))
+    scalars = optimizer.scalars(step)
+    Segments(keys, layout, src, **src_args).launch(
+        _fused_update_kernel, weight, states[0], states[1], *scalars, step, live=live, KIND=optimizer.kind,
+        DROP=optimizer.dropped_bits(weight.dtype), HALVES=optimizer.kind in (0, 2) and scalars[2] == 0)
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
