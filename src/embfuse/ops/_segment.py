@@ -264,9 +264,10 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     real = inside & (key >= 0)
     prev = tl.load(keys + first - 1, mask=tile > 0, other=-2)
     nxt = tl.load(keys + j + 1, mask=j + 1 < n, other=-2)
-    # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 fails to
-    # compile a load whose mask derives from `key` (layout mismatch, "mask type matches ptr
-    # type") when key also feeds the equal-keys product
+    before = tl.load(keys + j - 1, mask=inside & (j > 0), other=-2)
+    # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 failed to
+    # compile a load whose mask derived from `key` (layout mismatch, "mask type matches ptr
+    # type") when key also fed a tl.dot here
     if FIRST:
         covered = j < 0
         p = tl.load(perm + j, mask=inside, other=0)
@@ -285,7 +286,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     else:
         # partial rows (zero past their width); an odd (tail) entry with its tile's head key is
         # a run that covered the whole tile: already in the head entry, left unwritten
-        covered = (j % 2 == 1) & (tl.load(keys + j - 1, mask=inside & (j > 0), other=-1) == key)
+        covered = (j % 2 == 1) & (before == key)
         x = tl.load(src + j[:, None] * BLOCK_D + cols[None, :], mask=(real & ~covered)[:, None], other=0.0)
         f = tl.load(info_in + 2 * j, mask=inside, other=0).to(tl.int64)
         D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
@@ -293,7 +294,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=inside, other=0) + key * D, VEC)
     row = tl.load(src_meta + 4 * f + 3, mask=inside, other=0) + key
     # each run's sum within the tile so far, in a fixed order
-    start = (j == first) | (key != tl.load(keys + j - 1, mask=inside & (j > first), other=-2))
+    start = (j == first) | (key != before)
     acc = _run_sums(key, start, x, BLOCK_K, BLOCK_D)
     if COUNT:  # each run's count within the tile, at every one of its entries
         same = key[:, None] == key[None, :]
