@@ -8,8 +8,8 @@ from embfuse.optim.rules import init_state
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close, random_bags
 
-# SGD and row-wise Adagrad with and without weight decay: without, the kernel updates the
-# weights half a tile of rows at a time
+# SGD and row-wise Adagrad with and without weight decay (the kernel compiles each separately;
+# without it, row-wise Adagrad takes its step sizes before the tile's rows are split in groups)
 OPTIMIZERS = [SGD(lr=0.1, weight_decay=0.01), SGD(lr=0.1),
               Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
               RowWiseAdagrad(lr=0.1, weight_decay=0.01), RowWiseAdagrad(lr=0.1), Adam(lr=0.05, weight_decay=0.01)]

@@ -118,10 +118,8 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
 SMALL_LEVEL = 65536
 
 
-def level_shape(block_d: int, n: int, live: int = 1) -> tuple[int, int]:
-    """(entries a tile, warps) of a level of n entries; `live`: the (BLOCK_K, BLOCK_D) fp32
-    tensors the kernel holds at once after the sums (1 for a gradient, 2 for SGD: the sums and
-    the weights; each element-wise optimizer state adds one).
+def level_shape(block_d: int, n: int) -> tuple[int, int]:
+    """(entries a tile, warps) of a level of n entries.
 
     Large levels: one warp a program up to 128 columns (one a 128 columns past that), so that
     the run sums are a scan in each thread's registers (_run_sums), and 32 entries a tile, one
@@ -129,13 +127,13 @@ def level_shape(block_d: int, n: int, live: int = 1) -> tuple[int, int]:
     once. Measured on an H100 (benchmarks/NOTES.md, session 6), level 1 of the 26-table Criteo
     step: 32 entries / 1 warp 3.2 ms; 16 / 1 9.5 ms (Triton then computes every entry's values
     in every thread); 64 / 1, 32 / 2, 64 / 2, 64 / 4, 128 / 4 11-65 ms (spills, or a scan across
-    warps). With four live tensors (Adam) 32 entries spill: 16 / 1 there (6.8 against 15.5 ms).
+    warps). The fused optimizers keep 32 by updating a tile's rows in groups (row_groups).
     Levels of at most SMALL_LEVEL entries take the GPU microseconds while each launch costs the
     host tens: tiles of about 8192 values, 8 warps, so that fewer levels follow (a tile of K
     entries makes K / 2 times fewer)."""
     if n <= SMALL_LEVEL:
         return max(16, min(64, 8192 // block_d)), 8
-    return (32 if live <= 2 else 16), max(1, min(8, block_d // 128))
+    return 32, max(1, min(8, block_d // 128))
 
 
 def _pow2_factor(*xs) -> int:
@@ -181,16 +179,15 @@ class Segments:
         self.sorted_key = rank.to(self.sorted_key.dtype)
         return uniq
 
-    def launch(self, kernel, *args, count=False, live=1, **constexprs):
-        """Every level; `args` follow the kernel's shared leading arguments, `live` as
-        level_shape's. Level 1 reduces the
+    def launch(self, kernel, *args, count=False, **constexprs):
+        """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
         tile: the run coming in, the run going on) are the input of the next level, a problem
         a tile's size times smaller, until one tile holds everything."""
         dev = self.sorted_key.device
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
-            block_k, warps = level_shape(self.block_d, n, live)
+            block_k, warps = level_shape(self.block_d, n)
             levels.append((n, block_k, warps, cdiv(n, block_k)))
             if levels[-1][3] == 1:
                 break

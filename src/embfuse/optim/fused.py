@@ -37,13 +37,45 @@ def _halves(x, BLOCK_K: tl.constexpr):
 @triton.jit
 def _row_halves(x, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """The first and the last BLOCK_K // 2 rows of a [BLOCK_K, BLOCK_D] tile: with one warp a
-    program every row of a column sits in one thread, so this renames registers."""
+    128 columns every row of a column sits in one thread, so this renames registers."""
     return tl.split(tl.permute(tl.reshape(x, [2, BLOCK_K // 2, BLOCK_D]), [1, 2, 0]))
 
 
 @triton.jit
-def _write_rows(weight, w, at, m, seed, DROP: tl.constexpr):
-    """Store the updated fp32 rows `w` at elements `at` in the table's dtype."""
+def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+                 seed, VEC: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, WD: tl.constexpr,
+                 DROP: tl.constexpr):
+    """Apply the rule to the rows `done` of a group: g their summed gradients, base their first
+    weight element (element-wise state shares the weights' layout), row their global row. For
+    row-wise Adagrad without weight decay (WD), `rate` is each row's step size, already taken
+    (its state already written)."""
+    cols = tl.arange(0, BLOCK_D)
+    m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
+    # the 16-byte groups restated: Triton loses them when `base` went through a split
+    at = tl.max_contiguous(tl.multiple_of(base[:, None] + cols[None, :], [1, VEC]), [1, VEC])
+    w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
+    if WD:
+        g = g + weight_decay * w
+    if KIND == 0:  # SGD
+        w = w - lr * g
+    elif KIND == 1:  # Adagrad
+        s = tl.load(state1 + at, mask=m, other=0.0) + g * g
+        tl.store(state1 + at, s, mask=m)
+        w = w - lr * g / (tl.sqrt(s) + eps)
+    elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
+        if WD:
+            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+            tl.store(state1 + row, s, mask=done)
+            w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
+        else:
+            w = w - rate[:, None] * g
+    else:  # Adam; lr arrives divided by the first bias correction
+        mo = tl.load(state1 + at, mask=m, other=0.0)
+        mo = mo + (1.0 - beta1) * (g - mo)
+        v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
+        tl.store(state1 + at, mo, mask=m)
+        tl.store(state2 + at, v, mask=m)
+        w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
     if DROP > 0:  # stochastic rounding: DROP random bits added below the stored precision, then cut
         noise = tl.randint(seed, at) >> (32 - DROP)  # uint32 throughout: shifts keep the type
         w = (((w.to(tl.uint32, bitcast=True) + noise) >> DROP) << DROP).to(tl.float32, bitcast=True)
@@ -51,14 +83,26 @@ def _write_rows(weight, w, at, m, seed, DROP: tl.constexpr):
 
 
 @triton.jit
-def _step_rows(weight, g, r, base, D, done, seed, VEC: tl.constexpr, BLOCK_D: tl.constexpr, DROP: tl.constexpr):
-    """w -= r * g for the rows `done`: r a per-row factor. (The addresses' 16-byte groups are
-    restated: Triton loses them through the split of `base`, and the accesses were 4-byte.)"""
-    cols = tl.arange(0, BLOCK_D)
-    m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
-    at = tl.max_contiguous(tl.multiple_of(base[:, None] + cols[None, :], [1, VEC]), [1, VEC])
-    w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
-    _write_rows(weight, w - r[:, None] * g, at, m, seed, DROP)
+def _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2,
+                   bc2_sqrt, seed, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                   KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr):
+    """`_update_rows` on each half of the rows in turn (on each quarter if QUARTERS)."""
+    g0, g1 = _row_halves(g, BLOCK_K, BLOCK_D)
+    q0, q1 = _halves(rate, BLOCK_K)
+    r0, r1 = _halves(row, BLOCK_K)
+    d0, d1 = _halves(D, BLOCK_K)
+    b0, b1 = _halves(base, BLOCK_K)
+    k0, k1 = _halves(done, BLOCK_K)
+    if QUARTERS:
+        _update_halves(weight, state1, state2, g0, q0, r0, d0, b0, k0, lr, eps, weight_decay, beta1, beta2,
+                       bc2_sqrt, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND, WD, DROP, False)
+        _update_halves(weight, state1, state2, g1, q1, r1, d1, b1, k1, lr, eps, weight_decay, beta1, beta2,
+                       bc2_sqrt, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND, WD, DROP, False)
+    else:
+        _update_rows(weight, state1, state2, g0, q0, r0, d0, b0, k0, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+                     seed, VEC, BLOCK_D, KIND, WD, DROP)
+        _update_rows(weight, state1, state2, g1, q1, r1, d1, b1, k1, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+                     seed, VEC, BLOCK_D, KIND, WD, DROP)
 
 
 # the seed is the step number: specialising on it (1, multiples of 16) would compile new
@@ -69,52 +113,24 @@ def _fused_update_kernel(
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
-    DROP: tl.constexpr, HALVES: tl.constexpr,
+    WD: tl.constexpr, DROP: tl.constexpr, GROUPS: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
         FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
-    if HALVES:
-        # SGD and row-wise Adagrad without weight decay: the update is w -= r * g with a factor
-        # r per row, so the weights are read and written half the rows at a time, and the sums
-        # and all the weights are never in registers together (which spilled, measured)
-        if KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
-            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-            tl.store(state1 + row, s, mask=done)
-            r = lr / (tl.sqrt(s) + eps)
-        else:
-            r = lr + tl.zeros([BLOCK_K], dtype=tl.float32)
-        g0, g1 = _row_halves(g, BLOCK_K, BLOCK_D)
-        r0, r1 = _halves(r, BLOCK_K)
-        b0, b1 = _halves(base, BLOCK_K)
-        d0, d1 = _halves(D, BLOCK_K)
-        k0, k1 = _halves(done, BLOCK_K)
-        _step_rows(weight, g0, r0, b0, d0, k0, seed, VEC, BLOCK_D, DROP)
-        _step_rows(weight, g1, r1, b1, d1, k1, seed, VEC, BLOCK_D, DROP)
+    # row-wise Adagrad without weight decay needs only g for its state and step size: taken
+    # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
+    # of spills against 388 in halves)
+    if KIND == 2 and not WD:
+        st = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+        tl.store(state1 + row, st, mask=done)
+        rate = lr / (tl.sqrt(st) + eps)
     else:
-        cols = tl.arange(0, BLOCK_D)
-        m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
-        at = base[:, None] + cols[None, :]  # element-wise state shares the weights' layout
-        w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
-        g = g + weight_decay * w
-        if KIND == 0:  # SGD
-            w = w - lr * g
-        elif KIND == 1:  # Adagrad
-            s = tl.load(state1 + at, mask=m, other=0.0) + g * g
-            tl.store(state1 + at, s, mask=m)
-            w = w - lr * g / (tl.sqrt(s) + eps)
-        elif KIND == 2:  # row-wise Adagrad
-            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-            tl.store(state1 + row, s, mask=done)
-            w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
-        else:  # Adam; lr arrives divided by the first bias correction
-            mo = tl.load(state1 + at, mask=m, other=0.0)
-            mo = mo + (1.0 - beta1) * (g - mo)
-            v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
-            tl.store(state1 + at, mo, mask=m)
-            tl.store(state2 + at, v, mask=m)
-            w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
-        _write_rows(weight, w, at, m, seed, DROP)
+        rate = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # the rows updated in GROUPS (2 or 4) groups, one after another: the summed rows, the
+    # weights and the state of the whole tile do not fit in registers together
+    _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
+                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, GROUPS == 4)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
@@ -123,12 +139,20 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     if keys.numel() == 0 or layout.max_dim == 0:
         return
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
-    # live tiles after the sums: the gradient, the weights, each element-wise state
-    live = 2 + sum(per == "element" for per, _ in optimizer.state_spec().values())
     scalars = optimizer.scalars(step)
+    wd = scalars[2] != 0
     Segments(keys, layout, src, **src_args).launch(
-        _fused_update_kernel, weight, states[0], states[1], *scalars, step, live=live, KIND=optimizer.kind,
-        DROP=optimizer.dropped_bits(weight.dtype), HALVES=optimizer.kind in (0, 2) and scalars[2] == 0)
+        _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
+        DROP=optimizer.dropped_bits(weight.dtype), GROUPS=row_groups(optimizer))
+
+
+def row_groups(optimizer) -> int:
+    """In how many groups of rows the kernel updates a tile: 2 where the sums have only the
+    weights beside them (SGD, row-wise Adagrad), 4 with element-wise state (Adagrad, Adam).
+    H100, level 1 of the 26 x 1M x 128 step (benchmarks/NOTES.md, session 6), in groups of
+    1 / 2 / 4: SGD 1677 / 1590 / 1605 us, row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 /
+    4303 / 3472, Adam 15956 / 8560 / 5555."""
+    return 4 if any(per == "element" for per, _ in optimizer.state_spec().values()) else 2
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
