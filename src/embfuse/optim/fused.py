@@ -42,6 +42,15 @@ def _row_halves(x, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _rowwise_state(state1, row, done, g, D):
+    """Row-wise Adagrad's accumulator of the rows `done`, fed the mean of g^2 over each row,
+    written back and returned."""
+    s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
+    tl.store(state1 + row, s, mask=done)
+    return s
+
+
+@triton.jit
 def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
                  seed, VEC: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, WD: tl.constexpr,
                  DROP: tl.constexpr):
@@ -64,9 +73,7 @@ def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, w
         w = w - lr * g / (tl.sqrt(s) + eps)
     elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
         if WD:
-            s = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-            tl.store(state1 + row, s, mask=done)
-            w = w - lr * g / (tl.sqrt(s)[:, None] + eps)
+            w = w - lr * g / (tl.sqrt(_rowwise_state(state1, row, done, g, D))[:, None] + eps)
         else:
             w = w - rate[:, None] * g
     else:  # Adam; lr arrives divided by the first bias correction
@@ -122,9 +129,7 @@ def _fused_update_kernel(
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
     if KIND == 2 and not WD:
-        st = tl.load(state1 + row, mask=done, other=0.0) + tl.sum(g * g, axis=1) / tl.maximum(D, 1).to(tl.float32)
-        tl.store(state1 + row, st, mask=done)
-        rate = lr / (tl.sqrt(st) + eps)
+        rate = lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + eps)
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)
     # the rows updated in GROUPS (2 or 4) groups, one after another: the summed rows, the
