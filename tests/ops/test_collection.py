@@ -31,12 +31,13 @@ def batch(B, device, weighted=False, max_len=4, hot=False):
     return values.to(device), offsets.to(device), None if psw is None else psw.to(device)
 
 
-def plan(device):
+def plan(device, pooling=None):
+    """The collection of FEATURES, or with every feature pooled by `pooling`."""
     cols, col = [], 0
     for t, _ in FEATURES:
         cols.append(col)
         col += TABLES[t][1]
-    return Plan(TABLES, [(t, p, c) for (t, p), c in zip(FEATURES, cols)], device)
+    return Plan(TABLES, [(t, pooling or p, c) for (t, p), c in zip(FEATURES, cols)], device)
 
 
 @requires_kernels
@@ -64,9 +65,10 @@ def test_forward_kernel_with_vector_loads_matches_float64(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype):
+@pytest.mark.parametrize("pooling", [None, "sum"], ids=["sum-and-mean", "all-sum"])
+def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype, pooling):
     B = 5
-    P = plan(KERNEL_DEVICE)
+    P = plan(KERNEL_DEVICE, pooling)
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted)
     values, offsets = values.to(index_dtype), offsets.to(index_dtype)
     weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
@@ -76,19 +78,22 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     assert_close(out, ref, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
     L = P.layout
-    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements)
+    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements, P.mean)
     want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim)
     assert_close(got, want, dtype, reduction=len(values))
-    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements))
+    assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements,
+                                                P.mean))
 
 
 @requires_kernels
 @pytest.mark.parametrize("opt", [SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1, weight_decay=0.01),
                                  Adam(lr=0.05)], ids=["sgd", "adagrad", "rowwise", "adam"])
-def test_fused_update_kernel_matches_the_reference(opt):
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fused_update_kernel_matches_the_reference(opt, weighted):
+    """Weighted features of both poolings; unweighted sums, where no scale is read."""
     B = 6
-    P = plan(KERNEL_DEVICE)
-    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=True)
+    P = plan(KERNEL_DEVICE, None if weighted else "sum")
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted=weighted)
     base = torch.randn(P.num_elements, device=KERNEL_DEVICE)
     w, w64 = base.clone(), base.double()
     state = init_flat_state(opt, P.num_rows, P.num_elements, KERNEL_DEVICE)
@@ -96,7 +101,8 @@ def test_fused_update_kernel_matches_the_reference(opt):
     for step in (1, 2):
         grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE)
         collection_update(w, state, opt, values, offsets, psw, P, B, grad, step, kernel=True)
-        collection_update(w64, state64, opt, values, offsets, psw.double(), P, B, grad.double(), step, kernel=False)
+        collection_update(w64, state64, opt, values, offsets, psw if psw is None else psw.double(), P, B,
+                          grad.double(), step, kernel=False)
     assert_close(w, w64, torch.float32, reduction=8)
     for k in state:
         assert_close(state[k], state64[k], torch.float32, reduction=len(values))
@@ -133,12 +139,15 @@ def test_hot_rows_of_many_tables_through_every_level(opt, tiles, monkeypatch):
 @requires_kernels
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("wide_keys", [False, True])
-def test_backward_inputs_kernel_matches_torch(weighted, wide_keys):
+@pytest.mark.parametrize("pooling", [None, "sum"], ids=["sum-and-mean", "all-sum"])
+def test_backward_inputs_kernel_matches_torch(weighted, wide_keys, pooling):
     B = 7
-    P = plan(KERNEL_DEVICE)
+    P = plan(KERNEL_DEVICE, pooling)
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=70)  # bags longer than a 32-wide block
-    got = backward_inputs(values, offsets, psw, P.meta, B, wide_keys)
-    want = backward_inputs_reference(values, offsets, psw, P.meta, B, wide_keys)
+    got = backward_inputs(values, offsets, psw, P.meta, B, wide_keys, P.mean)
+    want = backward_inputs_reference(values, offsets, psw, P.meta, B, wide_keys, P.mean)
     assert got[0].dtype == want[0].dtype
+    # unweighted sums scale nothing: no scale at all
+    assert (got[2] is None) == (want[2] is None) == (pooling == "sum" and not weighted)
     for g, w in zip(got, want):
-        assert torch.equal(g.to(w.dtype), w)
+        assert (g is None and w is None) or torch.equal(g.to(w.dtype), w)

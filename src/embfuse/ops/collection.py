@@ -49,6 +49,8 @@ class Plan:
         self.num_rows = row[-1]
         self.tables = [(rows, dim, elem[t], row[t]) for t, (rows, dim) in enumerate(tables)]
         self.feature_table = [t for t, _, _ in features]
+        # whether any feature averages: else the backward of unweighted bags scales nothing
+        self.mean = any(m[POOL] == MEAN for m in self.rows)
 
 
 def source_meta(meta: Tensor) -> Tensor:
@@ -148,19 +150,25 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     return out
 
 
-def backward_inputs_reference(values, offsets, psw, meta, B, wide_keys=True):
-    """Per value: (sort key of its row, see Layout; bag; scale), in torch ops."""
+def backward_inputs_reference(values, offsets, psw, meta, B, wide_keys=True, mean=True):
+    """Per value: (sort key of its row, see Layout; bag; scale, None where every scale is 1:
+    no weights, and `mean` False), in torch ops."""
     bag = bag_of_value(offsets, values.numel())
     f = bag // max(B, 1)
     keys = meta[:, KEY_START][f] + values.long()
     lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(torch.float32)
     scale = torch.where(meta[:, POOL][f] == MEAN, 1.0 / lengths, 1.0)
-    return keys if wide_keys else keys.int(), bag, scale if psw is None else psw.to(torch.float32) * scale
+    if psw is None and not mean:
+        scale = None
+    elif psw is not None:
+        scale = psw.to(torch.float32) * scale
+    return keys if wide_keys else keys.int(), bag, scale
 
 
 @triton.jit
 def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, FB, B, stride_m,
-                            HAS_PSW: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, BAGS: tl.constexpr,
+                            BLOCK: tl.constexpr):
     # BAGS bags (feature-major) a program, side by side: a program a bag spent most of its
     # time waiting on the offsets (latency-bound, measured)
     g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
@@ -180,30 +188,34 @@ def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out
         if HAS_PSW:
             w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
             tl.store(scale_out + p, scale[:, None] * w, mask=m)
-        else:
+        elif HAS_SCALE:
             tl.store(scale_out + p, scale[:, None] + tl.zeros([BAGS, BLOCK], tl.float32), mask=m)
 
 
-def backward_inputs(values, offsets, psw, meta, B, wide_keys=True):
+def backward_inputs(values, offsets, psw, meta, B, wide_keys=True, mean=True):
     """`backward_inputs_reference` in one launch instead of ten torch ops over every value;
-    keys int32 unless `wide_keys`, bags int32 while they fit."""
+    keys int32 unless `wide_keys`, bags int32 while they fit. Without weights and with no
+    feature averaging (`mean` False: Plan.mean) every scale is 1 and none is returned (None):
+    the reduction then reads no scale a value, a 4-byte gather from a random place each."""
     n, FB = values.numel(), offsets.numel() - 1
     keys = torch.empty(n, dtype=torch.int64 if wide_keys else torch.int32, device=values.device)
     bag = torch.empty(n, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=values.device)
-    scale = torch.empty(n, dtype=torch.float32, device=values.device)
+    scaled = psw is not None or mean
+    scale = torch.empty(n, dtype=torch.float32, device=values.device) if scaled else None
     if n and FB:
         launch(_backward_inputs_kernel)[(cdiv(FB, 8),)](
-            values, offsets, psw if psw is not None else scale, meta, keys, bag, scale, FB, max(B, 1),
-            meta.stride(0), HAS_PSW=psw is not None, BAGS=8, BLOCK=32)
+            values, offsets, psw if psw is not None else keys, meta, keys, bag, scale if scaled else keys, FB,
+            max(B, 1), meta.stride(0), HAS_PSW=psw is not None, HAS_SCALE=scaled, BAGS=8, BLOCK=32)
     return keys, bag, scale
 
 
-def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements):
-    """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta: Plan's)."""
+def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, mean=True):
+    """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta and mean:
+    Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
-    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys)
+    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys, mean)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
@@ -226,35 +238,35 @@ def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim, ve
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                    meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int,
-                   wide_keys: bool) -> Tensor:
+                   wide_keys: bool, mean: bool) -> Tensor:
     return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec)
 
 
 @_collection_op.register_fake
-def _(weights, values, offsets, per_sample_weights, meta, src_meta, B, total_dim, max_dim, vec, wide_keys):
+def _(weights, values, offsets, per_sample_weights, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, mean):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                             meta: Tensor, src_meta: Tensor, B: int, num_elements: int, max_dim: int, vec: int,
-                            wide_keys: bool) -> Tensor:
+                            wide_keys: bool, mean: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
-                                   num_elements)
+                                   num_elements, mean)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 
 @_collection_backward_op.register_fake
-def _(grad, values, offsets, per_sample_weights, meta, src_meta, B, num_elements, max_dim, vec, wide_keys):
+def _(grad, values, offsets, per_sample_weights, meta, src_meta, B, num_elements, max_dim, vec, wide_keys, mean):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
-    weights, values, offsets, psw, meta, src_meta, B, total_dim, max_dim, vec, wide_keys = inputs
+    weights, values, offsets, psw, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, mean = inputs
     ctx.save_for_backward(values, offsets, psw, meta, src_meta)
-    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys)
+    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, mean)
 
 
 def _autograd_backward(ctx, grad):
@@ -262,7 +274,7 @@ def _autograd_backward(ctx, grad):
     g = None
     if ctx.needs_input_grad[0]:
         g = _collection_backward_op(grad, values, offsets, psw, meta, src_meta, *ctx.args)
-    return (g,) + (None,) * 10
+    return (g,) + (None,) * 11
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -276,7 +288,7 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
     if needs_op(weights):
         L = plan.layout
         return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, plan.src_meta, B,
-                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys)
+                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.mean)
     return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim,
                          plan.layout.vec)
 

@@ -188,7 +188,7 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     if kernel is None:
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
-        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, plan.layout.wide_keys)
+        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, plan.layout.wide_keys, plan.mean)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
