@@ -120,18 +120,21 @@ def _collection_fwd_kernel(
     # factor): said so, the row gathers become VEC-wide vector loads (16 bytes for fp32 at VEC
     # 4); read from `meta` unannotated they were 4-byte loads
     D = tl.multiple_of(tl.load(meta + f * stride_m + 1), VEC)
+    # every scalar the program needs, loaded before the test on D (in bounds for any bag), so
+    # that their latencies overlap instead of following one another
+    start = tl.load(offsets + g).to(tl.int64)
+    end = tl.load(offsets + g + 1).to(tl.int64)
+    table = weights + tl.multiple_of(tl.load(meta + f * stride_m), VEC)
+    col = tl.multiple_of(tl.load(meta + f * stride_m + 2), VEC)
+    mean = tl.load(meta + f * stride_m + 3) == 1
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
-        start = tl.load(offsets + g).to(tl.int64)
-        end = tl.load(offsets + g + 1).to(tl.int64)
-        table = weights + tl.multiple_of(tl.load(meta + f * stride_m), VEC)
         result, _ = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, 0, HAS_PSW, False, BLOCK_L,
                              BLOCK_D, EVICT)
-        if tl.load(meta + f * stride_m + 3) == 1:  # mean
+        if mean:
             result = result / tl.maximum(end - start, 1).to(tl.float32)
         b = g - f * B
-        col = tl.multiple_of(tl.load(meta + f * stride_m + 2), VEC)
         tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
