@@ -109,12 +109,14 @@ def test_fused_update_kernel_matches_the_reference(opt, weighted):
 
 
 @requires_kernels
-@pytest.mark.parametrize("opt", [None, SGD(lr=0.1), RowWiseAdagrad(lr=0.1)], ids=["grad", "sgd", "rowwise"])
+@pytest.mark.parametrize("opt", [None, SGD(lr=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.05)],
+                         ids=["grad", "sgd", "rowwise", "adam"])
 @pytest.mark.parametrize("tiles", ["small", "large"])
 def test_hot_rows_of_many_tables_through_every_level(opt, tiles, monkeypatch):
     """~5000 ids, 80% on one row of each table: several levels carry runs across tile edges,
     with entries of different tables (and none) side by side; in the tile shape of small levels
-    and (forced) in that of large ones."""
+    and (forced) in that of large ones. Adam's programs take 32 columns: the 33-wide table's
+    rows are reduced in two column blocks."""
     if tiles == "large":
         monkeypatch.setattr(_segment, "SMALL_LEVEL", 0)
     B = 48

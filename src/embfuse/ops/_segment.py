@@ -115,6 +115,8 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
 
 # levels of at most this many entries take the small-level tile shape (see level_shape)
 SMALL_LEVEL = 65536
+# columns a program of the gradient kernel takes (see Segments.launch)
+GRAD_COLUMNS = 64
 
 
 def level_shape(block_d: int, n: int) -> tuple[int, int]:
@@ -178,15 +180,20 @@ class Segments:
         self.sorted_key = rank.to(self.sorted_key.dtype)
         return uniq
 
-    def launch(self, kernel, *args, count=False, **constexprs):
+    def launch(self, kernel, *args, count=False, columns=None, **constexprs):
         """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
         tile: the run coming in, the run going on) are the input of the next level, a problem
-        a tile's size times smaller, until one tile holds everything."""
+        a tile's size times smaller, until one tile holds everything. `columns`: the tiles'
+        columns are cut in blocks of this many (a power of two), a program each, so that a
+        program holds fewer registers (None: whole rows, as row-wise state needs). Each block
+        loads the tile's keys and source rows again; where the tile's registers spilled, that
+        costs less than the spills (H100, benchmarks/NOTES.md, session 7)."""
         dev = self.sorted_key.device
+        block_d = min(self.block_d, columns or self.block_d)
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
-            block_k, warps = level_shape(self.block_d, n)
+            block_k, warps = level_shape(block_d, n)
             levels.append((n, block_k, warps, cdiv(n, block_k)))
             if levels[-1][3] == 1:
                 break
@@ -200,12 +207,13 @@ class Segments:
         for level, (n, block_k, warps, tiles) in enumerate(levels):
             last = level == len(levels) - 1
             out = slice(at, at + (0 if last else 2 * tiles))
-            launch(kernel)[(tiles,)](
+            launch(kernel)[(tiles, self.block_d // block_d)](
                 keys, n, self.perm, self.src_row if self.src_row is not None else self.perm,
                 self.scale if self.scale is not None else src, src, stride, self.src_bags, self.src_meta,
                 info_in, all_keys[out], all_vals[out], all_info[out], *args,
                 FIRST=level == 0, LAST=last, HAS_SRC_ROW=self.src_row is not None,
-                HAS_SCALE=self.scale is not None, COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=self.block_d,
+                HAS_SCALE=self.scale is not None, COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=block_d,
+                ROW_D=self.block_d,
                 num_warps=warps, **constexprs,
             )
             keys, src, stride, info_in, at = all_keys[out], all_vals[out], self.block_d, all_info[out], out.stop
@@ -241,17 +249,25 @@ def _run_sums(key, start, x, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def columns(BLOCK_D: tl.constexpr):
+    """The columns of this program's column block."""
+    return tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
                  info_out, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One tile of one level. Returns, for its BLOCK_K entries: (global row, width, first element,
+                 COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ROW_D: tl.constexpr):
+    """One tile of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
+    (the partial rows' width). Returns, for its BLOCK_K entries: (global row, width, first element,
     fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the entries
     are sorted positions, gathered from src; later levels read the partial rows of the one before,
     and each entry's (source feature, count) from `info_in`. The row's table is never looked up
     from the key: per-row gathers from the table arrays cost several times the tile's own work
     (measured: Triton replicates anything derived from the key per thread)."""
     tile = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
+    cols = columns(BLOCK_D)
     first = tile * BLOCK_K
     last = tl.minimum(first + BLOCK_K, n) - 1
     j = first + tl.arange(0, BLOCK_K)
@@ -283,7 +299,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         # partial rows (zero past their width); an odd (tail) entry with its tile's head key is
         # a run that covered the whole tile: already in the head entry, left unwritten
         covered = (j % 2 == 1) & (before == key)
-        x = tl.load(src + j[:, None] * BLOCK_D + cols[None, :], mask=(real & ~covered)[:, None], other=0.0)
+        x = tl.load(src + j[:, None] * ROW_D + cols[None, :], mask=(real & ~covered)[:, None], other=0.0)
         f = tl.load(info_in + 2 * j, mask=inside, other=0).to(tl.int64)
         D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
     # the row's table from the source side: its feature's first element and global row of key 0
@@ -316,10 +332,11 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         tail_new = tail_row & (key != prev)
         tl.store(keys_out + slot, tl.where(head_row, key, -1), mask=j == first)
         tl.store(keys_out + slot + 1, tl.where(tail_row, key, -1), mask=j == last)
-        at = slot[:, None] * BLOCK_D + cols[None, :]
+        at = slot[:, None] * ROW_D + cols[None, :]
         tl.store(vals_out + at, acc, mask=head_sum[:, None])
-        tl.store(vals_out + at + BLOCK_D, acc, mask=tail_new[:, None])
-        # (every slot gets a feature: the next level reads it for any entry, real or not)
+        tl.store(vals_out + at + ROW_D, acc, mask=tail_new[:, None])
+        # (every slot gets a feature: the next level reads it for any entry, real or not; with
+        # several column blocks each writes the same keys and features)
         info = info_out + 2 * slot
         tl.store(info, tl.where(head_row, f, 0).to(tl.int32), mask=j == first)
         tl.store(info + 2, tl.where(tail_row, f, 0).to(tl.int32), mask=j == last)
@@ -334,14 +351,14 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
 def _segment_grad_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, grad,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
 ):
     _row, D, base, acc, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
+        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
-    cols = tl.arange(0, BLOCK_D)
+    cols = columns(BLOCK_D)
     tl.store(grad + base[:, None] + cols[None, :], acc.to(grad.dtype.element_ty),
              mask=done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None]))
 
@@ -350,7 +367,8 @@ def reduce_segments(keys, layout: Layout, src, out, scale_by_freq=False, **src_a
     """Write each touched row's gradient sum into the flat buffer `out` (laid out as `layout`)."""
     if keys.numel() == 0 or layout.max_dim == 0:
         return out
-    Segments(keys, layout, src, **src_args).launch(_segment_grad_kernel, out, count=scale_by_freq)
+    Segments(keys, layout, src, **src_args).launch(_segment_grad_kernel, out, count=scale_by_freq,
+                                                   columns=GRAD_COLUMNS)
     return out
 
 
@@ -386,7 +404,7 @@ def rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     touched = segments.compact().long()
     values = torch.zeros(touched.numel(), D, dtype=out_dtype, device=src.device)
     if touched.numel() and D:
-        segments.launch(_segment_grad_kernel, values, count=scale_by_freq)
+        segments.launch(_segment_grad_kernel, values, count=scale_by_freq, columns=GRAD_COLUMNS)
     return touched, values
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import tl, triton, use_kernels
-from embfuse.ops._segment import Layout, Segments, row_sums_reference, segment_rows, single_table
+from embfuse.ops._segment import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
 from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
 from embfuse.ops.embedding_bag import MEAN
 from embfuse.optim.rules import stochastic_round_reference
@@ -58,7 +58,7 @@ def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, w
     weight element (element-wise state shares the weights' layout), row their global row. For
     row-wise Adagrad without weight decay (WD), `rate` is each row's step size, already taken
     (its state already written)."""
-    cols = tl.arange(0, BLOCK_D)
+    cols = columns(BLOCK_D)
     m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
     # the 16-byte groups restated: Triton loses them when `base` went through a split
     at = tl.max_contiguous(tl.multiple_of(base[:, None] + cols[None, :], [1, VEC]), [1, VEC])
@@ -119,12 +119,12 @@ def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
-    WD: tl.constexpr, DROP: tl.constexpr, GROUPS: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
+    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, GROUPS: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D)
+        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
@@ -148,7 +148,17 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     wd = scalars[2] != 0
     Segments(keys, layout, src, **src_args).launch(
         _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
-        DROP=optimizer.dropped_bits(weight.dtype), GROUPS=row_groups(optimizer))
+        DROP=optimizer.dropped_bits(weight.dtype), GROUPS=row_groups(optimizer), columns=update_columns(optimizer))
+
+
+def update_columns(optimizer):
+    """Columns a program updates (Segments.launch): whole rows without element-wise state (SGD;
+    row-wise Adagrad needs them), else 64 with one state tile beside the weights (Adagrad) and
+    32 with two (Adam). H100, the 26 x 1M x 128 collection step (benchmarks/NOTES.md, session
+    7), columns 128 / 64 / 32: SGD 2749 / 2833 / 2914 us, Adagrad 4686 / 3586 / 3817, Adam 6825
+    / 6125 / 4630."""
+    element = sum(per == "element" for per, _ in optimizer.state_spec().values())
+    return 128 >> element if element else None
 
 
 def row_groups(optimizer) -> int:
