@@ -115,8 +115,10 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
 
 # levels of at most this many entries take the small-level tile shape (see level_shape)
 SMALL_LEVEL = 65536
-# columns a program of the gradient kernel takes (see Segments.launch)
-GRAD_COLUMNS = 64
+# columns a program of the gradient kernel takes (see Segments.launch): whole rows. 64 was
+# slower on the H100 bench's dense backward (1M x 128, B16384 L64), A/B on one instance: 1025 ->
+# 1317 us uniform, 1177 -> 1352 power-law (benchmarks/NOTES.md, session 7)
+GRAD_COLUMNS = None
 
 
 def level_shape(block_d: int, n: int) -> tuple[int, int]:
