@@ -115,9 +115,9 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
 
 # levels of at most this many entries take the small-level tile shape (see level_shape)
 SMALL_LEVEL = 65536
-# columns a program of the gradient kernel takes (see Segments.launch): whole rows. 64 was
-# slower on the H100 bench's dense backward (1M x 128, B16384 L64), A/B on one instance: 1025 ->
-# 1317 us uniform, 1177 -> 1352 power-law (benchmarks/NOTES.md, session 7)
+# columns a program of the gradient kernel takes (see Segments.launch): whole rows. 64 showed
+# no gain on the H100 bench's dense backward (1M x 128, B16384 L64) that stood out of its +-25%
+# spread between repeats (benchmarks/NOTES.md, session 7; benchmarks/sweep_columns.py)
 GRAD_COLUMNS = None
 
 
