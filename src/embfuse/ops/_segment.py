@@ -7,8 +7,9 @@ skipped id). Rows live in a `Layout`: one or many tables of any widths packed in
 (a single table is the case T = 1), so one launch a level serves a whole table collection.
 
 The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
-positions: it gathers their gradient rows as one 2-D tile (all loads in flight) and sums runs of
-equal keys by a segmented scan down the tile, in each thread's registers (_run_sums). A run that
+positions (or a block of the tile's columns, see Segments.launch): it gathers their gradient
+rows as one 2-D tile (all loads in flight) and sums runs of equal keys by a segmented scan down
+the tile, in each thread's registers (_run_sums). A run that
 starts and ends in the tile is finished there. The partial sums of runs that cross a tile edge
 become the entries of level 2, the same problem a tile's size times smaller, and so on until one
 tile holds the rest: a hot row met a million times is finished after a few levels of parallel
