@@ -131,7 +131,7 @@ def level_shape(block_d: int, n: int) -> tuple[int, int]:
     once. Measured on an H100 (benchmarks/NOTES.md, session 6), level 1 of the 26-table Criteo
     step: 32 entries / 1 warp 3.2 ms; 16 / 1 9.5 ms (Triton then computes every entry's values
     in every thread); 64 / 1, 32 / 2, 64 / 2, 64 / 4, 128 / 4 11-65 ms (spills, or a scan across
-    warps). The fused optimizers keep 32 by updating a tile's rows in groups (row_groups).
+    warps). The fused optimizers keep 32 by updating a tile's rows a quarter at a time.
     Levels of at most SMALL_LEVEL entries take the GPU microseconds while each launch costs the
     host tens: tiles of about 8192 values, 8 warps, so that fewer levels follow (a tile of K
     entries makes K / 2 times fewer)."""

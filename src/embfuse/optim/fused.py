@@ -120,7 +120,7 @@ def _fused_update_kernel(
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
-    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, GROUPS: tl.constexpr,
+    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
@@ -132,10 +132,14 @@ def _fused_update_kernel(
         rate = lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + eps)
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)
-    # the rows updated in GROUPS (2 or 4) groups, one after another: the summed rows, the
-    # weights and the state of the whole tile do not fit in registers together
+    # the rows updated a quarter at a time: the summed rows, the weights and the state of the
+    # whole tile do not fit in registers together. H100 (benchmarks/NOTES.md, sessions 6 and 7):
+    # level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us, row-wise
+    # Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303 / 3472, Adam 15956 / 8560 / 5555; whole
+    # steps in 2 / 4 groups, Criteo SGD 5071 / 4959 (B16384) and 21245 / 20783 (B65536), 26 x 1M
+    # SGD 2744 / 2753, row-wise 3218 / 3144
     _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, GROUPS == 4)
+                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, True)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
@@ -148,7 +152,7 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     wd = scalars[2] != 0
     Segments(keys, layout, src, **src_args).launch(
         _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
-        DROP=optimizer.dropped_bits(weight.dtype), GROUPS=row_groups(optimizer), columns=update_columns(optimizer))
+        DROP=optimizer.dropped_bits(weight.dtype), columns=update_columns(optimizer))
 
 
 def update_columns(optimizer):
@@ -159,15 +163,6 @@ def update_columns(optimizer):
     / 6125 / 4630."""
     element = sum(per == "element" for per, _ in optimizer.state_spec().values())
     return 128 >> element if element else None
-
-
-def row_groups(optimizer) -> int:
-    """In how many groups of rows the kernel updates a tile: 2 where the sums have only the
-    weights beside them (SGD, row-wise Adagrad), 4 with element-wise state (Adagrad, Adam).
-    H100, level 1 of the 26 x 1M x 128 step (benchmarks/NOTES.md, session 6), in groups of
-    1 / 2 / 4: SGD 1677 / 1590 / 1605 us, row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 /
-    4303 / 3472, Adam 15956 / 8560 / 5555."""
-    return 4 if any(per == "element" for per, _ in optimizer.state_spec().values()) else 2
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
