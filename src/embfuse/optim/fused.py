@@ -120,7 +120,7 @@ def _fused_update_kernel(
     weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
-    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr,
+    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
@@ -132,14 +132,10 @@ def _fused_update_kernel(
         rate = lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + eps)
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)
-    # the rows updated a quarter at a time: the summed rows, the weights and the state of the
-    # whole tile do not fit in registers together. H100 (benchmarks/NOTES.md, sessions 6 and 7):
-    # level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us, row-wise
-    # Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303 / 3472, Adam 15956 / 8560 / 5555; whole
-    # steps in 2 / 4 groups, Criteo SGD 5071 / 4959 (B16384) and 21245 / 20783 (B65536), 26 x 1M
-    # SGD 2744 / 2753, row-wise 3218 / 3144
+    # the rows updated a half (QUARTERS: a quarter) at a time: the summed rows, the weights and
+    # the state of the whole tile do not fit in registers together (see update_groups)
     _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, True)
+                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, QUARTERS)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
@@ -150,9 +146,12 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
     scalars = optimizer.scalars(step)
     wd = scalars[2] != 0
-    Segments(keys, layout, src, **src_args).launch(
+    segments = Segments(keys, layout, src, **src_args)
+    columns = update_columns(optimizer)
+    segments.launch(
         _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
-        DROP=optimizer.dropped_bits(weight.dtype), columns=update_columns(optimizer))
+        DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
+        QUARTERS=update_groups(optimizer, min(segments.block_d, columns or segments.block_d)) == 4)
 
 
 def update_columns(optimizer):
@@ -163,6 +162,18 @@ def update_columns(optimizer):
     / 6125 / 4630."""
     element = sum(per == "element" for per, _ in optimizer.state_spec().values())
     return 128 >> element if element else None
+
+
+def update_groups(optimizer, width: int) -> int:
+    """In how many groups of rows a program updates its tile of `width` columns: 4 with
+    element-wise state or 128 columns and more, else 2. H100 (benchmarks/NOTES.md, sessions 6
+    and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us,
+    row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303 / 3472, Adam 15956 / 8560 / 5555;
+    steps in 2 / 4 groups, twice on one instance: Criteo SGD 21245 / 20783 us (B65536), 26 x
+    1M x 128 row-wise 3208 / 3136, SGD 2739 / 2752; 8 x 10M x 64 SGD 6544 / 6657, row-wise
+    6919 / 7098."""
+    element = any(per == "element" for per, _ in optimizer.state_spec().values())
+    return 4 if element or width >= 128 else 2
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
