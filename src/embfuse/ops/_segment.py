@@ -183,6 +183,10 @@ class Segments:
         self.sorted_key = rank.to(self.sorted_key.dtype)
         return uniq
 
+    def width(self, columns=None) -> int:
+        """Columns a program takes when tiles are cut in blocks of `columns` (see launch)."""
+        return min(self.block_d, columns or self.block_d)
+
     def launch(self, kernel, *args, count=False, columns=None, **constexprs):
         """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
@@ -193,7 +197,7 @@ class Segments:
         loads the tile's keys and source rows again; where the tile's registers spilled, that
         costs less than the spills (H100, benchmarks/NOTES.md, session 7)."""
         dev = self.sorted_key.device
-        block_d = min(self.block_d, columns or self.block_d)
+        block_d = self.width(columns)
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
             block_k, warps = level_shape(block_d, n)

@@ -133,7 +133,7 @@ def _fused_update_kernel(
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)
     # the rows updated a half (QUARTERS: a quarter) at a time: the summed rows, the weights and
-    # the state of the whole tile do not fit in registers together (see update_groups)
+    # the state of the whole tile do not fit in registers together (see update_in_quarters)
     _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
                    seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, QUARTERS)
 
@@ -151,7 +151,12 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     segments.launch(
         _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
         DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
-        QUARTERS=update_groups(optimizer, min(segments.block_d, columns or segments.block_d)) == 4)
+        QUARTERS=update_in_quarters(optimizer, segments.width(columns)))
+
+
+def _element_states(optimizer) -> int:
+    """How many element-wise state tensors the rule keeps (Adagrad 1, Adam 2)."""
+    return sum(per == "element" for per, _ in optimizer.state_spec().values())
 
 
 def update_columns(optimizer):
@@ -160,20 +165,19 @@ def update_columns(optimizer):
     32 with two (Adam). H100, the 26 x 1M x 128 collection step (benchmarks/NOTES.md, session
     7), columns 128 / 64 / 32: SGD 2749 / 2833 / 2914 us, Adagrad 4686 / 3586 / 3817, Adam 6825
     / 6125 / 4630."""
-    element = sum(per == "element" for per, _ in optimizer.state_spec().values())
+    element = _element_states(optimizer)
     return 128 >> element if element else None
 
 
-def update_groups(optimizer, width: int) -> int:
-    """In how many groups of rows a program updates its tile of `width` columns: 4 with
-    element-wise state or 128 columns and more, else 2. H100 (benchmarks/NOTES.md, sessions 6
-    and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us,
+def update_in_quarters(optimizer, width: int) -> bool:
+    """Whether a program updates its tile of `width` columns a quarter of the rows at a time
+    (else a half): with element-wise state or at 128 columns and more. H100
+    (benchmarks/NOTES.md, sessions 6 and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us,
     row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303 / 3472, Adam 15956 / 8560 / 5555;
     steps in 2 / 4 groups, twice on one instance: Criteo SGD 21245 / 20783 us (B65536), 26 x
     1M x 128 row-wise 3208 / 3136, SGD 2739 / 2752; 8 x 10M x 64 SGD 6544 / 6657, row-wise
     6919 / 7098."""
-    element = any(per == "element" for per, _ in optimizer.state_spec().values())
-    return 4 if element or width >= 128 else 2
+    return _element_states(optimizer) > 0 or width >= 128
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
