@@ -172,11 +172,11 @@ def update_columns(optimizer):
 def update_in_quarters(optimizer, width: int) -> bool:
     """Whether a program updates its tile of `width` columns a quarter of the rows at a time
     (else a half): with element-wise state or at 128 columns and more. H100
-    (benchmarks/NOTES.md, sessions 6 and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4 groups, SGD 1677 / 1590 / 1605 us,
-    row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303 / 3472, Adam 15956 / 8560 / 5555;
-    steps in 2 / 4 groups, twice on one instance: Criteo SGD 21245 / 20783 us (B65536), 26 x
-    1M x 128 row-wise 3208 / 3136, SGD 2739 / 2752; 8 x 10M x 64 SGD 6544 / 6657, row-wise
-    6919 / 7098."""
+    (benchmarks/NOTES.md, sessions 6 and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4
+    groups, SGD 1677 / 1590 / 1605 us, row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303
+    / 3472, Adam 15956 / 8560 / 5555; steps in 2 / 4 groups, twice on one instance: Criteo SGD
+    21245 / 20783 us (B65536), 26 x 1M x 128 row-wise 3208 / 3136, SGD 2739 / 2752; 8 x 10M x 64
+    SGD 6544 / 6657, row-wise 6919 / 7098."""
     return _element_states(optimizer) > 0 or width >= 128
 
 
