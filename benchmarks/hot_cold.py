@@ -16,7 +16,7 @@ import torch
 from triton.testing import do_bench
 
 import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
 from embfuse.ops.collection import backward_inputs
 from embfuse.optim.fused import fused_update
@@ -27,9 +27,7 @@ ROWS = int(sys.argv[3]) if len(sys.argv) > 3 else 10_000_000
 w = Workload("c", "collection-train", ROWS, 128, B, 50, "powerlaw", 1.05, tables=26)
 kjt = make_batch(w, DEV)
 F, D = w.tables, w.dim
-ebc = embfuse.EmbeddingBagCollection(
-    [embfuse.EmbeddingBagConfig(r, D, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-    device=DEV, optimizer=embfuse.optim.SGD(lr=1e-6), bounds_check="off")
+ebc = make_collection(w, DEV)
 plan = ebc._plan(kjt.keys(), DEV)
 values, offsets = kjt.values(), kjt.offsets()
 keys, bag, _ = backward_inputs(values, offsets, None, plan.meta, B, plan.layout.wide_keys, plan.mean)

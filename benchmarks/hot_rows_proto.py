@@ -23,7 +23,7 @@ DEV = os.environ.get("DEV", "cuda")
 ROWS = int(os.environ.get("ROWS", 10_000_000))
 
 import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
 from embfuse.ops.collection import backward_inputs
 from embfuse.optim.fused import fused_update
@@ -90,9 +90,7 @@ def main():
     w = Workload("c", "collection-train", ROWS, 128, B, 50, "powerlaw", 1.05, tables=26)
     kjt = make_batch(w, DEV)
     F, D = w.tables, w.dim
-    ebc = embfuse.EmbeddingBagCollection(
-        [embfuse.EmbeddingBagConfig(r, D, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-        device=DEV, optimizer=embfuse.optim.SGD(lr=0.01), bounds_check="off")
+    ebc = make_collection(w, DEV, embfuse.optim.SGD(lr=0.01))
     plan = ebc._plan(kjt.keys(), DEV)
     values, offsets = kjt.values(), kjt.offsets()
     weights, sgd = ebc.weights.detach(), embfuse.optim.SGD(lr=0.01)

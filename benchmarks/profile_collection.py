@@ -11,15 +11,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 w = Workload("p", "collection-train", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26)
 kjt = make_batch(w, "cuda")
-ebc = embfuse.EmbeddingBagCollection(
-    [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-    device="cuda", optimizer=embfuse.optim.SGD(lr=0.01), bounds_check="off")
+ebc = make_collection(w, "cuda", embfuse.optim.SGD(lr=0.01))
 grad = torch.randn(w.batch, w.dim * w.tables, device="cuda")
 counts = [int(torch.unique(jt.values(), return_counts=True)[1].max()) for jt in kjt.to_dict().values()]
 print(f"B={B}: {kjt.values().numel()} ids; longest run of one id per table: {counts}")

@@ -11,8 +11,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
 from embfuse.ops.collection import collection_forward
 
@@ -21,9 +20,7 @@ w = Workload("sweep", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, ta
 kjt = make_batch(w, "cuda")
 values, offsets = kjt.values(), kjt.offsets()
 for dtype in (torch.float32, torch.bfloat16):
-    ebc = embfuse.EmbeddingBagCollection(
-        [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=dtype)
-         for i, r in enumerate(table_rows(w))], device="cuda")
+    ebc = make_collection(w, "cuda", data_type=dtype)
     plan = ebc._plan(kjt.keys(), "cuda")
     args = (ebc.weights.detach(), values, offsets, None, plan.meta, B, plan.total_dim, plan.max_dim, plan.layout.vec)
     ref = collection_forward(*args)

@@ -38,6 +38,14 @@ def make_batch(w: Workload, device) -> embfuse.KeyedJaggedTensor:
                                      length_per_key=per_key)
 
 
+def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32) -> embfuse.EmbeddingBagCollection:
+    """The workload's tables as one embfuse.EmbeddingBagCollection, table i read by feature f{i}
+    (make_batch's keys); bounds checks off, as a benchmark feeds it valid ids."""
+    return embfuse.EmbeddingBagCollection(
+        [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=data_type)
+         for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check="off")
+
+
 def count_bytes(w: Workload, kjt) -> dict:
     distinct = sum(int(torch.unique(jt.values()).numel()) for jt in kjt.to_dict().values())
     out = w.batch * w.dim * w.tables * 4
@@ -103,9 +111,7 @@ def _torchrec(w, kjt, device, train):
 
 
 def _embfuse(w, kjt, device, train):
-    ebc = embfuse.EmbeddingBagCollection(
-        [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-        device=device, optimizer=embfuse.optim.SGD(lr=0.01) if train else None, bounds_check="off")
+    ebc = make_collection(w, device, embfuse.optim.SGD(lr=0.01) if train else None)
     return (lambda batch: ebc(batch).values()), None, (lambda host: host.to(device, non_blocking=True)), [ebc]
 
 

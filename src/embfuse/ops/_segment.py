@@ -9,12 +9,12 @@ skipped id). Rows live in a `Layout`: one or many tables of any widths packed in
 The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
 positions (or a block of the tile's columns, see Segments.launch): it gathers their gradient
 rows as one 2-D tile (all loads in flight) and sums runs of equal keys by a segmented scan down
-the tile, in each thread's registers (_run_sums). A run that
-starts and ends in the tile is finished there. The partial sums of runs that cross a tile edge
-become the entries of level 2, the same problem a tile's size times smaller, and so on until one
-tile holds the rest: a hot row met a million times is finished after a few levels of parallel
-tiles, never by one program walking its run. Fixed orders throughout: bitwise the same result
-every call, no atomics, and nothing read back to the host (so the backward runs in CUDA graphs).
+the tile, in each thread's registers (_run_sums). A run that starts and ends in the tile is
+finished there. The partial sums of runs that cross a tile edge become the entries of level 2,
+the same problem a tile's size times smaller, and so on until one tile holds the rest: a hot row
+met a million times is finished after a few levels of parallel tiles, never by one program
+walking its run. Fixed orders throughout: bitwise the same result every call, no atomics, and
+nothing read back to the host (so the backward runs in CUDA graphs).
 Rows no key touches keep what the output held (zeros for a dense gradient).
 """
 
