@@ -26,9 +26,9 @@ def table_rows(w: Workload) -> list[int]:
     return [min(r, w.rows) for r in CRITEO_ROWS[:w.tables]]
 
 
-def make_batch(w: Workload, device) -> embfuse.KeyedJaggedTensor:
+def make_batch(w: Workload, device, seed: int = 0) -> embfuse.KeyedJaggedTensor:
     """Bag lengths uniform in [1, 2 * hotness - 1]; ids from the workload's distribution per table."""
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(seed)
     F, B = w.tables, w.batch
     lengths = torch.randint(1, 2 * w.hotness, (F * B,), device=device, generator=g)
     per_key = lengths.view(F, B).sum(1).tolist()
@@ -38,12 +38,18 @@ def make_batch(w: Workload, device) -> embfuse.KeyedJaggedTensor:
                                      length_per_key=per_key)
 
 
-def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32) -> embfuse.EmbeddingBagCollection:
+def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32,
+                    hot_rows=0) -> embfuse.EmbeddingBagCollection:
     """The workload's tables as one embfuse.EmbeddingBagCollection, table i read by feature f{i}
-    (make_batch's keys); bounds checks off, as a benchmark feeds it valid ids."""
-    return embfuse.EmbeddingBagCollection(
+    (make_batch's keys); bounds checks off, as a benchmark feeds it valid ids. With `hot_rows`
+    (training) the hot set comes from another batch (seed 1), stepped once here, and stays."""
+    ebc = embfuse.EmbeddingBagCollection(
         [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=data_type)
-         for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check="off")
+         for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check="off",
+        hot_rows=hot_rows, hot_refresh=2**62)
+    if hot_rows:
+        ebc(make_batch(w, device, seed=1)).values().sum().backward()
+    return ebc
 
 
 def count_bytes(w: Workload, kjt) -> dict:
@@ -110,12 +116,21 @@ def _torchrec(w, kjt, device, train):
     return (lambda batch: ebc(batch.to_torchrec()).values()), opt, (lambda host: host.to(device)), [ebc]
 
 
-def _embfuse(w, kjt, device, train):
-    ebc = make_collection(w, device, embfuse.optim.SGD(lr=0.01) if train else None)
+def _embfuse(w, kjt, device, train, hot_rows=0):
+    ebc = make_collection(w, device, embfuse.optim.SGD(lr=0.01) if train else None, hot_rows=hot_rows)
     return (lambda batch: ebc(batch).values()), None, (lambda host: host.to(device, non_blocking=True)), [ebc]
 
 
-COLLECTION_PROVIDERS = {"torch": _torch_loop, "fbgemm": _fbgemm, "torchrec": _torchrec, "embfuse": _embfuse}
+def _embfuse_hot(w, kjt, device, train):
+    if not train:
+        raise Unsupported("the hot-row path is the training step's; the forward is embfuse's")
+    return _embfuse(w, kjt, device, train, hot_rows=HOT_ROWS)
+
+
+# hot rows a table of the "embfuse-hot" provider (benchmarks/NOTES.md, session 9)
+HOT_ROWS = 64
+COLLECTION_PROVIDERS = {"torch": _torch_loop, "fbgemm": _fbgemm, "torchrec": _torchrec, "embfuse": _embfuse,
+                        "embfuse-hot": _embfuse_hot}
 
 
 def _counts(fn) -> dict:

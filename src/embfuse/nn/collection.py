@@ -17,9 +17,10 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, table_view,
-                                    validate_collection)
+from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, ranked_rows,
+                                    table_view, validate_collection)
 from embfuse.ops.embedding import embedding
+from embfuse.optim.hot import HotRows
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
 from embfuse.nn.modules import _FusedMixin
 from embfuse.ops._segment import table_starts
@@ -169,15 +170,9 @@ class _Collection(_FusedMixin, torch.nn.Module):
         starts = torch.tensor(self._row_starts, device=dev)
         feature = bag_of_value(offsets, values.numel()) // max(B, 1)
         table = torch.tensor(plan.feature_table, dtype=torch.int64, device=dev)[feature]
-        rows, counts = torch.unique(plan.meta[:, ROW_START][feature] + values.long(), return_counts=True)
-        row_table = torch.bucketize(rows, starts[1:], right=True)
-        # within each table: most looked-up first, ties by row (stable sorts, torch.unique's order)
-        order = torch.argsort(counts, descending=True, stable=True)
-        order = order[torch.argsort(row_table[order], stable=True)]
+        rows, counts, row_table, order, rank = ranked_rows(plan.meta[:, ROW_START][feature] + values.long(), starts)
         lookups = torch.bincount(table, minlength=T)
         distinct = torch.bincount(row_table, minlength=T)
-        first = torch.cumsum(distinct, 0) - distinct
-        rank = torch.arange(order.numel(), device=order.device) - first[row_table[order]]
         top = order[rank < top_k]
         local = rows[top] - starts[row_table[top]]
         lookups, distinct, top_table, local, top_counts = (
@@ -199,16 +194,30 @@ class _Collection(_FusedMixin, torch.nn.Module):
 
 class EmbeddingBagCollection(_Collection):
     """TorchRec's EmbeddingBagCollection: pooled lookups of every feature of a KeyedJaggedTensor,
-    returned as a KeyedTensor (B, sum of widths) in table order, then feature order."""
+    returned as a KeyedTensor (B, sum of widths) in table order, then feature order.
+
+    `hot_rows=K` (with a fused optimizer, unweighted): the training step takes the gradient of
+    each table's K most looked-up rows as a dense product instead of a gather a value, the hot
+    set taken from the batch every `hot_refresh` steps (optim/hot.py; eager steps only: a step
+    captured in a CUDA graph takes the sparse path). The update is the same up to rounding."""
 
     _prefix = "embedding_bags"
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
-                 bounds_check: str = "raise"):
+                 bounds_check: str = "raise", hot_rows: int = 0, hot_refresh: int = 100):
         for t in tables:
             _pooling(t.pooling)
         super().__init__(tables, device, optimizer, bounds_check)
         self.is_weighted = is_weighted
+        self._hot = None
+        if hot_rows:
+            if is_weighted:
+                raise ValueError("hot_rows needs an unweighted collection: per-sample weights do not fold into "
+                                 "the dense product")
+            self._hot = HotRows(hot_rows, hot_refresh, self._row_starts[-1], len(tables), self.weights.device)
+            # buffers, so that module.to() moves them; not in the state_dict (taken from batches)
+            self.register_buffer("hot_slot", self._hot.slot, persistent=False)
+            self.register_buffer("hot_keys", self._hot.keys, persistent=False)
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature = {}  # name -> (table index, pooling, first output column)
         col = 0
@@ -236,7 +245,10 @@ class EmbeddingBagCollection(_Collection):
             self.bounds_check)
         fused = self._fused_now()
         if fused is not None:
-            out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B)
+            hot = self._hot
+            if hot is not None:
+                hot.slot, hot.keys = self.hot_slot, self.hot_keys
+            out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B, hot)
         else:
             out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B)
         return KeyedTensor(self.feature_names, self._dims, out)

@@ -77,6 +77,22 @@ def feature_slices(offsets, rows, B):
         yield m, slice(lo, hi), o - lo
 
 
+def ranked_rows(global_rows: Tensor, row_starts: Tensor):
+    """The distinct rows of `global_rows` ranked within their tables (row_starts: T + 1 first
+    global rows): (rows ascending, times each is looked up, its table, order, rank), `order`
+    listing rows by table, most looked-up first (ties: lower row first), rank[i] the place of
+    rows[order[i]] in its table. Device ops and one host read (torch.unique's size)."""
+    rows, counts = torch.unique(global_rows, return_counts=True)
+    row_table = torch.bucketize(rows, row_starts[1:], right=True)
+    # stable sorts keep torch.unique's ascending rows among equal counts
+    order = torch.argsort(counts, descending=True, stable=True)
+    order = order[torch.argsort(row_table[order], stable=True)]
+    distinct = torch.bincount(row_table, minlength=row_starts.numel() - 1)
+    first = torch.cumsum(distinct, 0) - distinct
+    rank = torch.arange(order.numel(), device=order.device) - first[row_table[order]]
+    return rows, counts, row_table, order, rank
+
+
 def table_view(buffer, elem_start, rows, dim):
     """Table of the flat buffer as a (rows, dim) view."""
     return buffer[elem_start:elem_start + rows * dim].view(rows, dim)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from embfuse._triton import use_kernels
 from embfuse.ops.embedding import _forward_impl as _gather
 from embfuse.ops.embedding import prepare_ids
 from embfuse.ops.embedding_bag import backward_inputs, per_sample_weights_grad, prepare_bags
 from embfuse.ops.embedding_bag import _forward_impl as _pool
 from embfuse.ops.collection import _forward_impl as _pool_collection
 from embfuse.optim.fused import apply_sparse_update, collection_update
+from embfuse.optim.hot import hot_update
 from embfuse.optim.rules import init_state
 
 
@@ -75,25 +77,34 @@ class _FusedEmbedding(torch.autograd.Function):
 
 class _FusedCollection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused):
+    def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused, hot):
         ctx.save_for_backward(values, offsets, psw)
-        ctx.weights, ctx.plan, ctx.B, ctx.fused = weights, plan, B, fused
+        ctx.weights, ctx.plan, ctx.B, ctx.fused, ctx.hot = weights, plan, B, fused, hot
         return _pool_collection(weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
                                 plan.layout.vec)
 
     @staticmethod
     def backward(ctx, grad):
         values, offsets, psw = ctx.saved_tensors
-        fused = ctx.fused
+        fused, weights, hot = ctx.fused, ctx.weights, ctx.hot
         fused.step += 1
-        collection_update(ctx.weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B, grad,
-                          fused.step)
-        return None, None, None, None, None, None, None, None
+        # the hot-row path reads the host (see optim/hot.py): eager steps only, never while a
+        # CUDA graph is captured
+        if (hot is not None and psw is None and use_kernels(weights) and weights.dtype != torch.float64
+                and not torch.cuda.is_current_stream_capturing()):
+            hot.maybe_refresh(values, offsets, ctx.plan, ctx.B, fused.step)
+            hot_update(weights, list(fused.state.values()), fused.optimizer, values, offsets, ctx.plan, ctx.B,
+                       grad.contiguous(), fused.step, hot)
+        else:
+            collection_update(weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B, grad,
+                              fused.step)
+        return None, None, None, None, None, None, None, None, None
 
 
-def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offsets, psw, plan, B):
-    """`embedding_bag_collection` whose backward updates `weights` with `fused`."""
-    return _FusedCollection.apply(fused.anchor, weights.detach(), values, offsets, psw, plan, B, fused)
+def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offsets, psw, plan, B, hot=None):
+    """`embedding_bag_collection` whose backward updates `weights` with `fused` (the hot rows
+    of `hot`, a HotRows, densely: optim/hot.py)."""
+    return _FusedCollection.apply(fused.anchor, weights.detach(), values, offsets, psw, plan, B, fused, hot)
 
 
 def _unsupported(scale_grad_by_freq, sparse, mode="sum"):

@@ -1,0 +1,225 @@
+"""A dense path for each table's hottest rows in a collection's fused training step.
+
+Under power-law ids most values of a batch fall on a few rows of each table, and the sparse
+backward gathers the bag's gradient row for every one of them (the Criteo step at B65536: 75%
+of 85M values on each table's 256 hottest rows, 11 of its 17 ms; benchmarks/NOTES.md, session
+8). For feature f and its table's K hot rows the same gradient is a matrix product,
+
+    hot_grad_f[k, :] = sum over bags b of C_f[b, k] * scale_f[b] * grad[b, col_f : col_f + D_f]
+
+C_f[b, k] = the times bag b holds hot row k, which reads each gradient row once. The step:
+1. `_hot_split_kernel`, a pass over the values: a hot value adds 1 to C[f, b, slot] (fp32
+   atomics of integers: exact, so the order does not matter) and gets key -1; a cold one its
+   sort key. Each bag's count of cold values is written.
+2. One host read (the cold total) and `_cold_kernel` packs the cold values' (key, bag, scale)
+   in value order: the sparse path's sort and levels then see the cold values only.
+3. `_hot_grad_kernel`: C^T @ grad over splits of the bags, in three tf32 products of an exact
+   split of each (scaled) gradient element; C is exact in tf32 while every count is at most
+   2048, which HOT_CAP guarantees (positions of a bag past it are cold). A split's entry for a
+   hot row no bag of it holds gets key -1.
+4. The cold entries, then the partial sums of the hot rows the batch touched, go through
+   fused_update: every row is updated once, by every optimizer, deterministically.
+
+The hot set is the K most looked-up rows of each table in one batch, taken again every
+`refresh` steps (one torch.unique over the batch: a host read). The host reads keep this path
+out of CUDA graphs: a step being captured takes the sparse path. Weighted features do not fold
+into C; a weighted collection takes the sparse path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embfuse._triton import cdiv, launch, next_pow2, tl, triton
+from embfuse.ops.collection import ROW_START, bag_of_value, ranked_rows
+from embfuse.optim.fused import fused_update
+
+# a bag's positions from this one on are cold, so that a count of C never passes 2048 (tf32
+# holds integers exactly up to 2^11)
+HOT_CAP = 2048
+# bags a program of _hot_grad_kernel takes, and (bags, values) a program of the passes over
+# the values takes at a time (H100, benchmarks/NOTES.md, session 9)
+BAGS_PER_SPLIT = 1024
+PASS_SHAPE = (8, 32)
+
+
+def product_shape(K: int) -> dict:
+    """Launch shape of _hot_grad_kernel for K slots: slots a program (32 at most: a product
+    of 64 rows took Hopper's wgmma path, 147 KB of shared memory at 255 registers, one program
+    an SM and 4.4x the time of 32), bags a product, warps, stages."""
+    return dict(KB=min(K, 32), BB=32, num_warps=4, num_stages=2)
+
+
+class HotRows:
+    """The hot set of a collection's tables: `slot[r]` the slot (0..k-1) of global row r in
+    its table's hot set, or -1; `keys[t, s]` the sort key (see Layout) of table t's row in slot
+    s, or -1. Taken from a batch every `refresh` steps by `maybe_refresh`."""
+
+    def __init__(self, k: int, refresh: int, num_rows: int, num_tables: int, device):
+        if k < 1 or refresh < 1:
+            raise ValueError(f"hot_rows and hot_refresh must be positive; got {k} and {refresh}")
+        self.k, self.refresh = k, refresh
+        self.width = max(16, next_pow2(k))  # slots a table (tl.dot needs 16)
+        self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        self.keys = torch.full((num_tables, self.width), -1, dtype=torch.int64, device=device)
+        self.taken_at = None  # the step whose batch gave the hot set
+
+    def maybe_refresh(self, values, offsets, plan, B, step):
+        if self.taken_at is None or step - self.taken_at >= self.refresh:
+            self.take(values, offsets, plan, B)
+            self.taken_at = step
+
+    def take(self, values, offsets, plan, B):
+        """Each table's k most looked-up rows in this batch (features sharing a table counted
+        together; ties: lower row first) become its hot set."""
+        dev = values.device
+        starts = torch.tensor([r for _, _, _, r in plan.tables] + [plan.num_rows], device=dev)
+        rows = plan.meta[:, ROW_START][bag_of_value(offsets, values.numel()) // max(B, 1)] + values.long()
+        rows, _, table, order, rank = ranked_rows(rows, starts)
+        top = order[rank < self.k]
+        t, r = table[top], rank[rank < self.k]
+        self.slot.fill_(-1)
+        self.slot[rows[top]] = r.int()
+        self.keys.fill_(-1)
+        self.keys[t, r] = (t << plan.layout.shift) + rows[top] - starts[t]
+
+
+@triton.jit
+def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
+                      K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+    # BAGS bags a program side by side, as _backward_inputs_kernel
+    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
+    f = g // B
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
+    row0 = tl.load(meta + f * stride_m + 4, mask=real, other=0)  # ROW_START
+    n_cold = tl.zeros([BAGS], dtype=tl.int32)
+    for i in range(0, tl.max(end - start), BLOCK):
+        q = i + tl.arange(0, BLOCK)
+        p = start[:, None] + q[None, :]
+        m = p < end[:, None]
+        v = tl.load(values + p, mask=m, other=0)
+        s = tl.load(slot_of + row0[:, None] + v, mask=m & (q < CAP)[None, :], other=-1)
+        hot = s >= 0
+        tl.store(keys + p, tl.where(hot, -1, key0[:, None] + v).to(keys.dtype.element_ty), mask=m)
+        tl.atomic_add(counts + g[:, None] * K + s, 1.0 + 0.0 * p.to(tl.float32), mask=hot, sem="relaxed")
+        n_cold += tl.sum((m & (s < 0)).to(tl.int32), axis=1)
+    tl.store(cold + g, n_cold, mask=real)
+
+
+@triton.jit
+def _cold_kernel(keys, offsets, cold_start, meta, keys_out, bag_out, scale_out, FB, B, stride_m,
+                 HAS_SCALE: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
+    f = g // B
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    at = tl.load(cold_start + g, mask=real, other=0)
+    # the sparse path's scale: 1 / length under mean pooling (IEEE division, as torch's)
+    inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
+    scale = tl.where(tl.load(meta + f * stride_m + 3, mask=real, other=0) == 1, inv, 1.0)
+    for i in range(0, tl.max(end - start), BLOCK):
+        p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
+        m = p < end[:, None]
+        k = tl.load(keys + p, mask=m, other=-1)
+        c = (k >= 0).to(tl.int32)
+        to = at[:, None] + tl.cumsum(c, axis=1) - c  # the cold values of a bag, in order
+        keep = m & (k >= 0)
+        tl.store(keys_out + to, k, mask=keep)
+        tl.store(bag_out + to, (g[:, None] + 0 * p).to(bag_out.dtype.element_ty), mask=keep)
+        if HAS_SCALE:
+            tl.store(scale_out + to, scale[:, None] + tl.zeros([BAGS, BLOCK], tl.float32), mask=keep)
+        at += tl.sum(c, axis=1)
+
+
+@triton.jit
+def _split(x):
+    """The top 11 significant bits of x (all a tf32 product reads) and the rest, exactly."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, partial, entry_keys, B, stride_m, bags_per,
+                     ROW_D: tl.constexpr, HAS_MEAN: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, BB: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    # program (slot block, split, feature x column block): the slot blocks of one split and
+    # column block run side by side and read its gradient rows through the L2 once
+    s = tl.program_id(1).to(tl.int64)
+    f = tl.program_id(2).to(tl.int64) // (ROW_D // BLOCK_D)
+    cb = tl.program_id(2) % (ROW_D // BLOCK_D)
+    D = tl.load(meta + f * stride_m + 1)
+    col = tl.load(meta + f * stride_m + 2)
+    mean = tl.load(meta + f * stride_m + 3) == 1
+    cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
+    ks = tl.program_id(0) * KB + tl.arange(0, KB)
+    acc = tl.zeros([KB, BLOCK_D], dtype=tl.float32)
+    seen = tl.zeros([KB], dtype=tl.float32)
+    for b0 in range(0, bags_per, BB):
+        j = b0 + tl.arange(0, BB)
+        b = s * bags_per + j
+        inb = (b < B) & (j < bags_per)
+        c = tl.load(counts + (f * B + b)[:, None] * K + ks[None, :], mask=inb[:, None], other=0.0)
+        x = tl.load(grad + b[:, None] * stride_g + col + cols[None, :], mask=inb[:, None] & (cols < D)[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_MEAN:  # the same product as the sparse path's x * (1 / length), rounded alike
+            n = tl.load(offsets + f * B + b + 1, mask=inb, other=1) - tl.load(offsets + f * B + b, mask=inb, other=0)
+            x = x * tl.where(mean, tl.math.div_rn(1.0, tl.maximum(n, 1).to(tl.float32)), 1.0)[:, None]
+        seen = tl.maximum(seen, tl.max(c, axis=0))
+        ct = tl.trans(c)
+        hi, r = _split(x)
+        mid, lo = _split(r)
+        acc = tl.dot(ct, lo, acc, input_precision="tf32")
+        acc = tl.dot(ct, mid, acc, input_precision="tf32")
+        acc = tl.dot(ct, hi, acc, input_precision="tf32")
+    e = (f * tl.num_programs(1) + s) * K + ks
+    tl.store(partial + e[:, None] * ROW_D + cols[None, :], acc)
+    # the entry's key: its hot row, or -1 where no bag of the split holds it (nothing to add,
+    # and a row the batch does not touch must not be updated)
+    key = tl.load(hot_keys + (tl.load(meta + f * stride_m + 6) >> shift) * K + ks)
+    tl.store(entry_keys + e, tl.where(seen > 0, key, -1).to(entry_keys.dtype.element_ty),
+             mask=ks < tl.where(cb == 0, K, 0))  # (column block 0's)
+
+
+def hot_update(weights, states, optimizer, values, offsets, plan, B, grad, step, hot: HotRows):
+    """collection_update's kernel path with the hot rows taken densely (see the module's
+    docstring); unweighted features only."""
+    n, FB, F, K = values.numel(), offsets.numel() - 1, plan.meta.shape[0], hot.width
+    dev, layout = values.device, plan.layout
+    key_dtype = torch.int64 if layout.wide_keys else torch.int32
+    keys = torch.empty(n, dtype=key_dtype, device=dev)
+    counts = torch.zeros(FB * K, dtype=torch.float32, device=dev)
+    cold = torch.empty(FB, dtype=torch.int32, device=dev)
+    bags, block = PASS_SHAPE
+    launch(_hot_split_kernel)[(cdiv(FB, bags),)](
+        values, offsets, plan.meta, hot.slot, keys, counts, cold, FB, B, plan.meta.stride(0), K=K,
+        CAP=HOT_CAP, BAGS=bags, BLOCK=block)
+    cold_start = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(cold, 0, out=cold_start[1:])
+    n_cold = int(cold_start[-1])
+    if n_cold:
+        cold_keys = torch.empty(n_cold, dtype=key_dtype, device=dev)
+        cold_bag = torch.empty(n_cold, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=dev)
+        scale = torch.empty(n_cold, dtype=torch.float32, device=dev) if plan.mean else None
+        launch(_cold_kernel)[(cdiv(FB, bags),)](
+            keys, offsets, cold_start, plan.meta, cold_keys, cold_bag, scale if plan.mean else cold_keys, FB, B,
+            plan.meta.stride(0), HAS_SCALE=plan.mean, BAGS=bags, BLOCK=block)
+        fused_update(weights, states, optimizer, cold_keys, layout, grad, step, src_row=cold_bag, scale=scale,
+                     src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
+    splits = cdiv(B, BAGS_PER_SPLIT)
+    row_d = max(16, next_pow2(plan.max_dim))  # the partial rows' width
+    block_d = min(row_d, 128)  # columns a program
+    partial = torch.empty(F * splits * K, row_d, dtype=torch.float32, device=dev)
+    entry = torch.empty(F * splits * K, dtype=key_dtype, device=dev)
+    shape = product_shape(K)
+    launch(_hot_grad_kernel)[(K // shape["KB"], splits, F * (row_d // block_d))](
+        counts, grad, grad.stride(0), offsets, plan.meta, hot.keys, layout.shift, partial, entry, B,
+        plan.meta.stride(0), cdiv(B, splits),
+        ROW_D=row_d, HAS_MEAN=plan.mean, K=K, BLOCK_D=block_d, **shape)
+    meta = plan.src_meta.clone()
+    meta[:, 0] = torch.arange(F, device=dev) * splits * K * row_d  # feature f's partial rows
+    fused_update(weights, states, optimizer, entry, layout, partial, step, src_stride=row_d,
+                 src_bags=splits * K, src_meta=meta)
