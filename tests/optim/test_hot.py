@@ -109,6 +109,21 @@ def test_split_pass_keys_counts_and_packs_the_cold_values(cap):
 
 
 @requires_kernels
+@pytest.mark.parametrize("B", [0, 3])
+def test_an_empty_batch_changes_nothing(B):
+    P = plan(KERNEL_DEVICE)
+    values = torch.zeros(0, dtype=torch.int64, device=KERNEL_DEVICE)
+    offsets = torch.zeros(len(P.rows) * B + 1, dtype=torch.int64, device=KERNEL_DEVICE)
+    w = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    before = w.clone()
+    hot = HotRows(4, 1, P.num_rows, len(P.tables), KERNEL_DEVICE)
+    hot.take(values, offsets, P, B)
+    hot_update(w, [], SGD(lr=0.1, weight_decay=0.1), values, offsets, P, B,
+               torch.randn(B, P.total_dim, device=KERNEL_DEVICE), 1, hot)
+    assert torch.equal(w, before)
+
+
+@requires_kernels
 def test_bags_past_the_cap_match_the_reference(monkeypatch):
     """Long bags with the cap at 3: every bag's later hot values take the cold path."""
     monkeypatch.setattr(hot_module, "HOT_CAP", 3)

@@ -63,6 +63,7 @@ class HotRows:
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
         self.keys = torch.full((num_tables, self.width), -1, dtype=torch.int64, device=device)
         self.taken_at = None  # the step whose batch gave the hot set
+        self.partial_meta = {}  # (plan, splits, row width) -> src_meta of the partial sums
 
     def maybe_refresh(self, values, offsets, plan, B, step):
         if self.taken_at is None or step - self.taken_at >= self.refresh:
@@ -188,6 +189,8 @@ def hot_update(weights, states, optimizer, values, offsets, plan, B, grad, step,
     """collection_update's kernel path with the hot rows taken densely (see the module's
     docstring); unweighted features only."""
     n, FB, F, K = values.numel(), offsets.numel() - 1, plan.meta.shape[0], hot.width
+    if n == 0 or FB == 0:
+        return
     dev, layout = values.device, plan.layout
     key_dtype = torch.int64 if layout.wide_keys else torch.int32
     keys = torch.empty(n, dtype=key_dtype, device=dev)
@@ -219,7 +222,10 @@ def hot_update(weights, states, optimizer, values, offsets, plan, B, grad, step,
         counts, grad, grad.stride(0), offsets, plan.meta, hot.keys, layout.shift, partial, entry, B,
         plan.meta.stride(0), cdiv(B, splits),
         ROW_D=row_d, HAS_MEAN=plan.mean, K=K, BLOCK_D=block_d, **shape)
-    meta = plan.src_meta.clone()
-    meta[:, 0] = torch.arange(F, device=dev) * splits * K * row_d  # feature f's partial rows
+    meta = hot.partial_meta.get((plan, splits, row_d))
+    if meta is None:  # feature f's partial rows start at row f * splits * K
+        meta = plan.src_meta.clone()
+        meta[:, 0] = torch.arange(F, device=dev) * splits * K * row_d
+        hot.partial_meta[plan, splits, row_d] = meta
     fused_update(weights, states, optimizer, entry, layout, partial, step, src_stride=row_d,
                  src_bags=splits * K, src_meta=meta)
