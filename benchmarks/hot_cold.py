@@ -1,8 +1,9 @@
-"""Where the Criteo step's backward spends its time: hot rows against cold ones (one device call).
+"""Where the Criteo step spends its time: hot rows against cold ones (one device call).
 
-The collection step's backward (sort + segment levels + fused SGD) is timed on all of a batch's
-values, then on the values of each table's K most frequent rows alone ("hot") and on the rest
-("cold"). Beside it, what a dense path for the hot rows would cost in torch ops: the per-bag
+The collection step's backward (sort + segment levels + fused SGD), and its forward, are timed
+on all of a batch's values, then on the values of each table's K most frequent rows alone
+("hot") and on the rest ("cold"); the forward's bags keep their place, the values of the other
+kind dropped. Beside it, what a dense path for the hot rows would cost in torch ops: the per-bag
 counts C (F, K, B) of each feature's hot rows, built by index_add, and C @ grad per feature as
 one batched matrix product (fp32 without TF32, and bf16, one of the three products an exact
 split of fp32 gradients would take). Medians of CUDA-event timings (do_bench).
@@ -18,7 +19,7 @@ from triton.testing import do_bench
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
-from embfuse.ops.collection import backward_inputs
+from embfuse.ops.collection import backward_inputs, collection_forward
 from embfuse.optim.fused import fused_update
 
 DEV = sys.argv[2] if len(sys.argv) > 2 else "cuda"
@@ -48,8 +49,19 @@ def backward(sel):
                                    src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)), k
 
 
+g_of = torch.repeat_interleave(torch.arange(F * B, device=DEV), offsets[1:] - offsets[:-1], output_size=values.numel())
+
+
+def forward(sel):
+    v = values if sel is None else values[sel]
+    o = offsets if sel is None else torch.cat([offsets[:1], torch.bincount(g_of[sel], minlength=F * B).cumsum(0)])
+    return ms(lambda: collection_forward(weights, v, o, None, plan.meta, B, plan.total_dim, plan.max_dim,
+                                         plan.layout.vec))
+
+
 full = backward(None)[0]
-print(f"B{B}: {keys.numel()} values; backward (sort, levels, SGD) {full * 1e3:.0f} us", flush=True)
+print(f"B{B}: {keys.numel()} values; backward (sort, levels, SGD) {full * 1e3:.0f} us, forward "
+      f"{forward(None) * 1e3:.0f} us", flush=True)
 for K in (64, 256, 1024):
     hot_keys = torch.cat([uniq[table == t][torch.topk(counts[table == t], min(K, int((table == t).sum()))).indices]
                           for t in range(F)]).sort().values
@@ -58,11 +70,10 @@ for K in (64, 256, 1024):
     t_cold, k_cold = backward(~hot)
     sort_cold = ms(lambda: torch.sort(k_cold, stable=True))
     print(f"K={K}: hot values {hot.float().mean().item():.1%}; backward of hot {t_hot * 1e3:.0f} us, of cold "
-          f"{t_cold * 1e3:.0f} us (its sort {sort_cold * 1e3:.0f} us)", flush=True)
+          f"{t_cold * 1e3:.0f} us (its sort {sort_cold * 1e3:.0f} us); forward of hot {forward(hot) * 1e3:.0f} us, "
+          f"of cold {forward(~hot) * 1e3:.0f} us", flush=True)
     # the dense form of the hot rows' gradients: C[f, k, b] = times feature f's bag b holds hot row k
     f_of = torch.div(torch.arange(F * B, device=DEV), B, rounding_mode="floor")
-    g_of = torch.repeat_interleave(torch.arange(F * B, device=DEV), offsets[1:] - offsets[:-1],
-                                   output_size=values.numel())
     first = torch.searchsorted(hot_keys, torch.arange(F, device=DEV) << plan.layout.shift)
     slot = torch.searchsorted(hot_keys, keys.long()[hot]) - first[f_of[g_of[hot]]]  # hot row within its table
     at = (f_of[g_of[hot]] * K + slot) * B + g_of[hot] % B
