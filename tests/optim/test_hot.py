@@ -69,6 +69,23 @@ def test_hot_update_matches_the_reference(opt, k, wide, monkeypatch):
 
 
 @requires_kernels
+@pytest.mark.parametrize("dtype, wide_keys", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16", "64-bit-keys"])
+def test_hot_update_in_bf16_and_with_64_bit_keys(dtype, wide_keys):
+    B = 48
+    P = plan(KERNEL_DEVICE)
+    P.layout.wide_keys = wide_keys
+    values, offsets, _ = batch(B, KERNEL_DEVICE, max_len=40, hot=True)
+    hot = hot_rows(P, values, offsets, B, 3)
+    w = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
+    w64 = w.double()
+    grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
+    hot_update(w, [], SGD(lr=0.1), values, offsets, P, B, grad, 1, hot)
+    collection_update(w64, {}, SGD(lr=0.1), values, offsets, None, P, B, grad.double(), 1, kernel=False)
+    assert_close(w, w64, dtype, reduction=len(values))
+
+
+@requires_kernels
 @pytest.mark.parametrize("cap", [2048, 3])
 def test_split_pass_keys_counts_and_packs_the_cold_values(cap):
     """Pass 1 against torch: a value is hot when its row has a slot and it sits before position
@@ -148,21 +165,33 @@ def test_hot_set_is_each_tables_most_looked_up_rows():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("opt", [SGD(lr=0.5, weight_decay=0.01), Adam(lr=0.05)], ids=["sgd", "adam"])
-def test_collection_with_hot_rows_trains_like_without(device, opt):
+@pytest.mark.parametrize("opt, dtype", [(SGD(lr=0.5, weight_decay=0.01), torch.float32),
+                                        (Adam(lr=0.05), torch.float32), (SGD(lr=0.5), torch.bfloat16)],
+                         ids=["sgd", "adam", "sgd-bf16"])
+def test_collection_with_hot_rows_trains_like_without(device, opt, dtype):
     """On the GPU the hot path runs (hot set refreshed every 2 steps); on the CPU both take the
     reference."""
-    hot = EmbeddingBagCollection(tables(), device=device, optimizer=opt, hot_rows=2, hot_refresh=2)
-    ref = EmbeddingBagCollection(tables(), device=device, optimizer=opt)
+    configs = tables()
+    for t in configs:
+        t.data_type = dtype
+    hot = EmbeddingBagCollection(configs, device=device, optimizer=opt, hot_rows=2, hot_refresh=2, hot_min_values=0)
+    ref = EmbeddingBagCollection(configs, device=device, optimizer=opt)
     ref.load_state_dict(hot.state_dict())
     for _ in range(4):
         kjt = random_kjt(["uid", "friend", "iid", "genres"], 16, device)
-        grad = torch.randn(16, 19, device=device)
+        grad = torch.randn(16, 19, device=device).to(dtype)
         hot(kjt).values().backward(grad)
         ref(kjt).values().backward(grad)
-    assert_close(hot.weights, ref.weights, torch.float32, reduction=40)
+    assert_close(hot.weights, ref.weights, dtype, reduction=40)
     assert (hot.hot_slot >= 0).any() == (device == "cuda")
     assert set(hot.state_dict()) == set(ref.state_dict())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_batches_take_the_sparse_path(device):
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.5), hot_rows=2)
+    ebc(random_kjt(["uid", "friend", "iid", "genres"], 16, device)).values().sum().backward()
+    assert ebc._hot.taken_at is None and not (ebc.hot_slot >= 0).any()
 
 
 def test_hot_rows_refuse_a_weighted_collection():
@@ -174,7 +203,8 @@ def test_hot_rows_refuse_a_weighted_collection():
 def test_a_captured_step_takes_the_sparse_path():
     """A step captured in a CUDA graph cannot read the host: it records the sparse path, and
     replays train like eager steps."""
-    hot = EmbeddingBagCollection(tables(), device="cuda", optimizer=SGD(lr=0.5), bounds_check="off", hot_rows=2)
+    hot = EmbeddingBagCollection(tables(), device="cuda", optimizer=SGD(lr=0.5), bounds_check="off", hot_rows=2,
+                                 hot_min_values=0)
     ref = EmbeddingBagCollection(tables(), device="cuda", optimizer=SGD(lr=0.5), bounds_check="off")
     ref.load_state_dict(hot.state_dict())
     kjt = random_kjt(["uid", "friend", "iid", "genres"], 16, "cuda")

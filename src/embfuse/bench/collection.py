@@ -42,11 +42,12 @@ def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32
                     hot_rows=0) -> embfuse.EmbeddingBagCollection:
     """The workload's tables as one embfuse.EmbeddingBagCollection, table i read by feature f{i}
     (make_batch's keys); bounds checks off, as a benchmark feeds it valid ids. With `hot_rows`
-    (training) the hot set comes from another batch (seed 1), stepped once here, and stays."""
+    (training) the hot set comes from another batch (seed 1), stepped once here, and stays; every
+    batch takes the hot path, whatever its size."""
     ebc = embfuse.EmbeddingBagCollection(
         [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=data_type)
          for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check="off",
-        hot_rows=hot_rows, hot_refresh=2**62)
+        hot_rows=hot_rows, hot_refresh=2**62, hot_min_values=0)
     if hot_rows:
         ebc(make_batch(w, device, seed=1)).values().sum().backward()
     return ebc

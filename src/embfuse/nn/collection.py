@@ -20,7 +20,7 @@ from torch import Tensor
 from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, ranked_rows,
                                     table_view, validate_collection)
 from embfuse.ops.embedding import embedding
-from embfuse.optim.hot import HotRows
+from embfuse.optim.hot import HOT_MIN_VALUES, HotRows
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
 from embfuse.nn.modules import _FusedMixin
 from embfuse.ops._segment import table_starts
@@ -199,12 +199,15 @@ class EmbeddingBagCollection(_Collection):
     `hot_rows=K` (with a fused optimizer, unweighted): the training step takes the gradient of
     each table's K most looked-up rows as a dense product instead of a gather a value, the hot
     set taken from the batch every `hot_refresh` steps (optim/hot.py; eager steps only: a step
-    captured in a CUDA graph takes the sparse path). The update is the same up to rounding."""
+    captured in a CUDA graph takes the sparse path, as do batches of fewer than
+    `hot_min_values` values, where the path costs more than it saves). The update is the same
+    up to rounding."""
 
     _prefix = "embedding_bags"
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
-                 bounds_check: str = "raise", hot_rows: int = 0, hot_refresh: int = 100):
+                 bounds_check: str = "raise", hot_rows: int = 0, hot_refresh: int = 100,
+                 hot_min_values: int = HOT_MIN_VALUES):
         for t in tables:
             _pooling(t.pooling)
         super().__init__(tables, device, optimizer, bounds_check)
@@ -214,7 +217,8 @@ class EmbeddingBagCollection(_Collection):
             if is_weighted:
                 raise ValueError("hot_rows needs an unweighted collection: per-sample weights do not fold into "
                                  "the dense product")
-            self._hot = HotRows(hot_rows, hot_refresh, self._row_starts[-1], len(tables), self.weights.device)
+            self._hot = HotRows(hot_rows, hot_refresh, self._row_starts[-1], len(tables), self.weights.device,
+                                hot_min_values)
             # buffers, so that module.to() moves them; not in the state_dict (taken from batches)
             self.register_buffer("hot_slot", self._hot.slot, persistent=False)
             self.register_buffer("hot_keys", self._hot.keys, persistent=False)

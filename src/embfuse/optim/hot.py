@@ -50,15 +50,23 @@ def product_shape(K: int) -> dict:
     return dict(KB=min(K, 32), BB=32, num_warps=4, num_stages=2)
 
 
+# batches with fewer values take the sparse path: below, the extra launches and the host read
+# cost more than the dense product saves. H100 (benchmarks/NOTES.md, session 9), the step of 26
+# tables x 128 with hot_rows=64 against without: 0.51-0.88x up to 5.3M values, 1.11x at 8.5M,
+# 1.40x at 21M
+HOT_MIN_VALUES = 1 << 23
+
+
 class HotRows:
     """The hot set of a collection's tables: `slot[r]` the slot (0..k-1) of global row r in
     its table's hot set, or -1; `keys[t, s]` the sort key (see Layout) of table t's row in slot
-    s, or -1. Taken from a batch every `refresh` steps by `maybe_refresh`."""
+    s, or -1. Taken from a batch every `refresh` steps by `maybe_refresh`; used for batches of
+    at least `min_values` values."""
 
-    def __init__(self, k: int, refresh: int, num_rows: int, num_tables: int, device):
+    def __init__(self, k: int, refresh: int, num_rows: int, num_tables: int, device, min_values=HOT_MIN_VALUES):
         if k < 1 or refresh < 1:
             raise ValueError(f"hot_rows and hot_refresh must be positive; got {k} and {refresh}")
-        self.k, self.refresh = k, refresh
+        self.k, self.refresh, self.min_values = k, refresh, min_values
         self.width = max(16, next_pow2(k))  # slots a table (tl.dot needs 16)
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
         self.keys = torch.full((num_tables, self.width), -1, dtype=torch.int64, device=device)

@@ -90,8 +90,8 @@ class _FusedCollection(torch.autograd.Function):
         fused.step += 1
         # the hot-row path reads the host (see optim/hot.py): eager steps only, never while a
         # CUDA graph is captured
-        if (hot is not None and psw is None and use_kernels(weights) and weights.dtype != torch.float64
-                and not torch.cuda.is_current_stream_capturing()):
+        if (hot is not None and psw is None and values.numel() >= hot.min_values and use_kernels(weights)
+                and weights.dtype != torch.float64 and not torch.cuda.is_current_stream_capturing()):
             hot.maybe_refresh(values, offsets, ctx.plan, ctx.B, fused.step)
             hot_update(weights, list(fused.state.values()), fused.optimizer, values, offsets, ctx.plan, ctx.B,
                        grad.contiguous(), fused.step, hot)
