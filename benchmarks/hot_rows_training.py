@@ -3,13 +3,13 @@
 for every batch, or none)
 fits a fixed teacher collection's outputs on fresh power-law batches; both students start from
 the same weights and see the same batches. Prints both loss curves and the largest relative
-difference between them, and the wall time of each step (synchronised, from the third on).
+difference between them. (Its batches, 2.1M values, are below the size where the hot path pays:
+benchmarks/hot_rows_sizes.py times that.)
 
     PYTHONPATH=src python3 benchmarks/hot_rows_training.py [steps]
 """
 
 import sys
-import time
 
 import torch
 
@@ -27,24 +27,16 @@ students["hot"] = embfuse.EmbeddingBagCollection(students["hot"].tables, device=
 students["hot"].load_state_dict(students["sparse"].state_dict())
 head = torch.randn(w.tables * w.dim, device="cuda") / (w.tables * w.dim) ** 0.5
 losses = {name: [] for name in students}
-seconds = {name: 0.0 for name in students}
 for step in range(steps):
     kjt = make_batch(w, "cuda", seed=100 + step)
     with torch.no_grad():
         target = teacher(kjt).values() @ head
     for name, ebc in students.items():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         loss = (ebc(kjt).values() @ head - target).square().mean()
         loss.backward()
-        torch.cuda.synchronize()
-        if step >= 2:  # the first two compile the kernels
-            seconds[name] += time.perf_counter() - t
         losses[name].append(loss.item())
 for i in sorted({0, 9, 19, steps // 2, steps - 1}):
     print(f"step {i + 1:3d}: loss sparse {losses['sparse'][i]:.6f}, hot {losses['hot'][i]:.6f}")
 rel = max(abs(a - b) / abs(a) for a, b in zip(losses["sparse"], losses["hot"]))
 print(f"largest relative difference of the two loss curves: {rel:.2e}; hot rows taken "
       f"{int((students['hot'].hot_slot >= 0).sum())} slots")
-print(f"mean step from step 3 (wall, synchronised): sparse {seconds['sparse'] / (steps - 2) * 1e3:.2f} ms, "
-      f"hot {seconds['hot'] / (steps - 2) * 1e3:.2f} ms (the hot one with its refreshes)")
