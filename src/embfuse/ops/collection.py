@@ -185,20 +185,32 @@ def backward_inputs_reference(values, offsets, psw, meta, B, wide_keys=True, mea
 
 
 @triton.jit
+def program_bags(offsets, FB, B, BAGS: tl.constexpr):
+    """The BAGS bags (feature-major) of this program, side by side: (bag, in range, feature,
+    first value, end). A program a bag spent most of its time waiting on the offsets
+    (latency-bound, measured)."""
+    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    return g, real, g // B, start, end
+
+
+@triton.jit
+def bag_scale(meta, f, stride_m, real, start, end):
+    """Each bag's gradient scale: 1 / length under mean pooling (IEEE division, as torch
+    divides: the approximate one differs in the last bit), else 1."""
+    inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
+    return tl.where(tl.load(meta + f * stride_m + 3, mask=real, other=0) == 1, inv, 1.0)
+
+
+@triton.jit
 def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, FB, B, stride_m,
                             HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, BAGS: tl.constexpr,
                             BLOCK: tl.constexpr):
-    # BAGS bags (feature-major) a program, side by side: a program a bag spent most of its
-    # time waiting on the offsets (latency-bound, measured)
-    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    f = g // B
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
     key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
-    # (IEEE division, as torch divides: the approximate one differs in the last bit)
-    inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
-    scale = tl.where(tl.load(meta + f * stride_m + 3, mask=real, other=0) == 1, inv, 1.0)
+    scale = bag_scale(meta, f, stride_m, real, start, end)
     for i in range(0, tl.max(end - start), BLOCK):
         p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
         m = p < end[:, None]

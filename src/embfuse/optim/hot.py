@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import cdiv, launch, next_pow2, tl, triton
-from embfuse.ops.collection import ROW_START, bag_of_value, ranked_rows
+from embfuse.ops.collection import ROW_START, bag_of_value, bag_scale, program_bags, ranked_rows
 from embfuse.optim.fused import fused_update
 
 # a bag's positions from this one on are cold, so that a count of C never passes 2048 (tf32
@@ -96,12 +96,7 @@ class HotRows:
 @triton.jit
 def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
                       K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    # BAGS bags a program side by side, as _backward_inputs_kernel
-    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    f = g // B
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
     key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
     row0 = tl.load(meta + f * stride_m + 4, mask=real, other=0)  # ROW_START
     n_cold = tl.zeros([BAGS], dtype=tl.int32)
@@ -121,15 +116,9 @@ def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B,
 @triton.jit
 def _cold_kernel(keys, offsets, cold_start, meta, keys_out, bag_out, scale_out, FB, B, stride_m,
                  HAS_SCALE: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    f = g // B
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
     at = tl.load(cold_start + g, mask=real, other=0)
-    # the sparse path's scale: 1 / length under mean pooling (IEEE division, as torch's)
-    inv = tl.math.div_rn(1.0, tl.maximum(end - start, 1).to(tl.float32))
-    scale = tl.where(tl.load(meta + f * stride_m + 3, mask=real, other=0) == 1, inv, 1.0)
+    scale = bag_scale(meta, f, stride_m, real, start, end)  # the sparse path's
     for i in range(0, tl.max(end - start), BLOCK):
         p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
         m = p < end[:, None]
