@@ -4,7 +4,7 @@ timings); at B65536 the largest difference of one update from the sparse one, th
 hot backward, and the bags a product program takes. The hot set comes from another batch
 (make_collection), as in training.
 
-    PYTHONPATH=src python3 benchmarks/hot_rows.py [batch ...]   (env KS="0 32 64", DETAIL="32 64")
+    PYTHONPATH=src python3 benchmarks/hot_rows.py [batch ...]   (env KS="0 32 64", DETAIL="32 64", OPT=sgd|rowwise|adagrad|adam)
 """
 
 import os
@@ -19,6 +19,9 @@ from embfuse.bench.workloads import Workload
 from embfuse.optim import hot
 
 batches = [int(b) for b in sys.argv[1:]] or [16384, 65536]
+OPTIMIZERS = {"sgd": embfuse.optim.SGD(lr=0.01), "rowwise": embfuse.optim.RowWiseAdagrad(lr=0.01),
+              "adagrad": embfuse.optim.Adagrad(lr=0.01), "adam": embfuse.optim.Adam(lr=0.01)}
+OPT = os.environ.get("OPT", "sgd")  # the accuracy check below assumes SGD
 
 
 def max_abs(a, b, chunk=2**28):
@@ -36,8 +39,8 @@ for B in batches:
     kjt = make_batch(w, "cuda")
     grad = torch.randn(B, w.dim * w.tables, device="cuda")
     for K in [int(k) for k in os.environ.get("KS", "0 32 64 128 256").split()]:
-        ebc = make_collection(w, "cuda", embfuse.optim.SGD(lr=0.01), hot_rows=K)
-        print(f"B{B} K{K}: step {step_us(ebc, kjt, grad):.0f} us", flush=True)
+        ebc = make_collection(w, "cuda", OPTIMIZERS[OPT], hot_rows=K)
+        print(f"B{B} K{K} {OPT}: step {step_us(ebc, kjt, grad):.0f} us", flush=True)
         if B == batches[-1] and str(K) in os.environ.get("DETAIL", "64").split():
             for per in (512, 2048, hot.BAGS_PER_SPLIT):
                 hot.BAGS_PER_SPLIT = per
