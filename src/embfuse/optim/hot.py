@@ -21,9 +21,11 @@ C_f[b, k] = the times bag b holds hot row k, which reads each gradient row once.
    fused_update: every row is updated once, by every optimizer, deterministically.
 
 The hot set is the K most looked-up rows of each table in one batch, taken again every
-`refresh` steps (one torch.unique over the batch: a host read). The host reads keep this path
-out of CUDA graphs: a step being captured takes the sparse path. Weighted features do not fold
-into C; a weighted collection takes the sparse path.
+`refresh` steps (one torch.unique over the batch: a host read). Which rows are hot changes the
+speed only, never the update. The host reads keep this path out of CUDA graphs: a step being
+captured takes the sparse path, as do batches under `min_values` values (HOT_MIN_VALUES) and
+weighted ones: per-sample weights do not fold into C (EmbeddingBagCollection refuses hot_rows
+when is_weighted).
 """
 
 from __future__ import annotations
