@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 
+import embfuse
 from embfuse.bench.report import markdown
 from embfuse.bench.runner import count_bytes, derive
 from embfuse.bench.workloads import Workload, generate_batch, workloads
@@ -85,3 +86,18 @@ def test_collection_batch_and_providers_on_cpu():
         assert out.shape == (8, 20)
         out.sum().backward()
         outs.append(out)
+
+
+def test_rowwise_collection_providers_on_cpu():
+    """The row-wise kind trains embfuse's collections with row-wise Adagrad; torch has none."""
+    from embfuse.bench.collection import COLLECTION_PROVIDERS, make_batch
+    from embfuse.bench.providers import Unsupported
+
+    w = Workload("c", "collection-train-rowwise", 1000, 4, 8, 3, "powerlaw", 1.05, tables=5)
+    kjt = make_batch(w, "cpu")
+    for name in ("embfuse", "embfuse-hot"):
+        forward, _, move, (ebc,) = COLLECTION_PROVIDERS[name](w, kjt, "cpu", True)
+        forward(move(kjt)).sum().backward()
+        assert isinstance(ebc.optimizer, embfuse.optim.RowWiseAdagrad)
+    with pytest.raises(Unsupported):
+        COLLECTION_PROVIDERS["torch"](w, kjt, "cpu", True)

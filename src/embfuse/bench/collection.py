@@ -1,9 +1,11 @@
 """Table-collection workloads (kind "collection": forward; "collection-train": forward + backward
-+ fused SGD): 26 tables with Criteo-like row counts, one keyed jagged batch of every feature.
++ fused SGD; "collection-train-rowwise": the same with row-wise Adagrad): 26 tables with
+Criteo-like row counts, one keyed jagged batch of every feature.
 
 Providers: a loop of torch nn.EmbeddingBag (sparse gradients + torch.optim.SGD when training),
-FBGEMM's TBE over the same tables (EXACT_SGD), TorchRec's unsharded EmbeddingBagCollection when
-it imports, and embfuse.EmbeddingBagCollection. Besides time, each provider's kernel launches
+FBGEMM's TBE over the same tables (EXACT_SGD / EXACT_ROWWISE_ADAGRAD), TorchRec's unsharded
+EmbeddingBagCollection when it imports, and embfuse.EmbeddingBagCollection (with hot_rows:
+"embfuse-hot"). Torch and TorchRec's unsharded collection have no row-wise Adagrad. Besides time, each provider's kernel launches
 and host-to-device copies per step are counted with the profiler, starting from a batch in
 pinned host memory, as a training loop sees it.
 """
@@ -58,14 +60,20 @@ def count_bytes(w: Workload, kjt) -> dict:
     out = w.batch * w.dim * w.tables * 4
     ids = kjt.values().numel() * 8 + kjt.lengths().numel() * 8
     rows = distinct * w.dim * 4
-    train = w.kind == "collection-train"
+    train = w.kind.startswith("collection-train")
     # training: rows read by the forward, read and written by the update; output and its gradient
     return {"distinct_rows": distinct, "ids": kjt.values().numel(),
             "min_bytes": (3 * rows + 2 * out + ids) if train else (rows + out + ids),
             "rows_bytes": kjt.values().numel() * w.dim * 4}
 
 
+def _rowwise(w: Workload) -> bool:
+    return w.kind == "collection-train-rowwise"
+
+
 def _torch_loop(w, kjt, device, train):
+    if _rowwise(w):
+        raise Unsupported("torch has no row-wise Adagrad")
     mods = [torch.nn.EmbeddingBag(r, w.dim, mode="sum", sparse=train, device=device) for r in table_rows(w)]
     opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.01) if train else None
 
@@ -92,7 +100,8 @@ def _fbgemm(w, kjt, device, train):
         raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(r, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in table_rows(w)],
-        optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, bounds_check_mode=BoundsCheckMode.NONE)
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD if _rowwise(w) else EmbOptimType.EXACT_SGD, learning_rate=0.01,
+        bounds_check_mode=BoundsCheckMode.NONE)
 
     def forward(batch):
         return tbe(batch.values(), batch.offsets())
@@ -105,6 +114,8 @@ def _fbgemm(w, kjt, device, train):
 
 
 def _torchrec(w, kjt, device, train):
+    if _rowwise(w):
+        raise Unsupported("TorchRec's unsharded collection trains with torch optimizers: no row-wise Adagrad")
     try:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -118,7 +129,8 @@ def _torchrec(w, kjt, device, train):
 
 
 def _embfuse(w, kjt, device, train, hot_rows=0):
-    ebc = make_collection(w, device, embfuse.optim.SGD(lr=0.01) if train else None, hot_rows=hot_rows)
+    rule = embfuse.optim.RowWiseAdagrad(lr=0.01) if _rowwise(w) else embfuse.optim.SGD(lr=0.01)
+    ebc = make_collection(w, device, rule if train else None, hot_rows=hot_rows)
     return (lambda batch: ebc(batch).values()), None, (lambda host: host.to(device, non_blocking=True)), [ebc]
 
 
@@ -151,7 +163,7 @@ def _counts(fn) -> dict:
 def measure_collection(w: Workload, device) -> list[dict]:
     from triton.testing import do_bench
 
-    train = w.kind == "collection-train"
+    train = w.kind.startswith("collection-train")
     kjt = make_batch(w, device)
     host = kjt.to("cpu").pin_memory()
     counts = count_bytes(w, kjt)

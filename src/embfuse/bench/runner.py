@@ -88,7 +88,7 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
         from embfuse.bench.train import measure_train
 
         return measure_train(w, device)
-    if w.kind in ("collection", "collection-train"):
+    if w.kind.startswith("collection"):
         from embfuse.bench.collection import measure_collection
 
         return measure_collection(w, device)

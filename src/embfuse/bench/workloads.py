@@ -20,8 +20,8 @@ _HASH = 2_654_435_761
 class Workload:
     """One lookup problem. kind: "bag" (pooled), "embedding" (plain gather) or "train" (forward,
     backward and optimizer update of `tables` tables, sum pooling) or "backward" (forward and
-    backward to a dense weight gradient); "collection" / "collection-train": a table collection
-    fed one keyed batch (bench/collection.py).
+    backward to a dense weight gradient); "collection" / "collection-train" /
+    "collection-train-rowwise": a table collection fed one keyed batch (bench/collection.py).
 
     dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table) or
     "hotset" (a fraction `alpha` of accesses to 1/1000 of the rows). layout: "fixed" (2-D ids,
@@ -127,7 +127,7 @@ def workloads(quick: bool = False) -> list[Workload]:
                                 16384, 64, dist, alpha, group="backward"))
     # 26 tables with Criteo's row counts (capped at 10M), bag lengths 1..99, one keyed batch
     for batch in (16384,) if quick else (16384, 65536):
-        for kind in ("collection", "collection-train"):
+        for kind in ("collection", "collection-train") + (() if quick else ("collection-train-rowwise",)):
             out.append(Workload(f"{kind} 26 criteo x 128, B{batch} L1-99 powerlaw1.05", kind, 10_000_000, 128, batch,
                                 50, "powerlaw", 1.05, tables=26, group="collection"))
     out.append(Workload("latency D64 B512 L8", "bag", 100_000, 64, 512, 8, group="latency"))
