@@ -147,6 +147,19 @@ def test_bags_past_the_cap_match_the_reference(monkeypatch):
     test_hot_update_matches_the_reference(SGD(lr=0.1), 3, False, monkeypatch)
 
 
+def test_hot_set_is_taken_every_refresh_steps_and_after_a_step_back(monkeypatch):
+    hot = HotRows(2, 3, 10, 1, "cpu")
+    taken = []
+    monkeypatch.setattr(hot, "take", lambda *args: taken.append(True))
+    steps = [5, 6, 7, 8, 9, 10, 11, 2, 3]
+    took = []
+    for step in steps:
+        n = len(taken)
+        hot.maybe_refresh(None, None, None, 1, step)
+        took.append(len(taken) > n)
+    assert took == [True, False, False, True, False, False, True, True, False]
+
+
 def test_hot_set_is_each_tables_most_looked_up_rows():
     B = 4
     P = plan("cpu")

@@ -76,7 +76,9 @@ class HotRows:
         self.partial_meta = {}  # (plan, splits, row width) -> src_meta of the partial sums
 
     def maybe_refresh(self, values, offsets, plan, B, step):
-        if self.taken_at is None or step - self.taken_at >= self.refresh:
+        """Take the hot set from this batch at the first step, `refresh` steps after the last
+        one, or when the step count went back (a checkpoint loaded)."""
+        if self.taken_at is None or not 0 <= step - self.taken_at < self.refresh:
             self.take(values, offsets, plan, B)
             self.taken_at = step
 
