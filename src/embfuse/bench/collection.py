@@ -5,9 +5,9 @@ Criteo-like row counts, one keyed jagged batch of every feature.
 Providers: a loop of torch nn.EmbeddingBag (sparse gradients + torch.optim.SGD when training),
 FBGEMM's TBE over the same tables (EXACT_SGD / EXACT_ROWWISE_ADAGRAD), TorchRec's unsharded
 EmbeddingBagCollection when it imports, and embfuse.EmbeddingBagCollection (with hot_rows:
-"embfuse-hot"). Torch and TorchRec's unsharded collection have no row-wise Adagrad. Besides time, each provider's kernel launches
-and host-to-device copies per step are counted with the profiler, starting from a batch in
-pinned host memory, as a training loop sees it.
+"embfuse-hot"). Torch and TorchRec's unsharded collection have no row-wise Adagrad. Besides
+time, each provider's kernel launches and host-to-device copies per step are counted with the
+profiler, starting from a batch in pinned host memory, as a training loop sees it.
 """
 
 from __future__ import annotations

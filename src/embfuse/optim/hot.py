@@ -155,7 +155,6 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
     cb = tl.program_id(2) % (ROW_D // BLOCK_D)
     D = tl.load(meta + f * stride_m + 1)
     col = tl.load(meta + f * stride_m + 2)
-    mean = tl.load(meta + f * stride_m + 3) == 1
     cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     ks = tl.program_id(0) * KB + tl.arange(0, KB)
     acc = tl.zeros([KB, BLOCK_D], dtype=tl.float32)
@@ -167,9 +166,10 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
         c = tl.load(counts + (f * B + b)[:, None] * K + ks[None, :], mask=inb[:, None], other=0.0)
         x = tl.load(grad + b[:, None] * stride_g + col + cols[None, :], mask=inb[:, None] & (cols < D)[None, :],
                     other=0.0).to(tl.float32)
-        if HAS_MEAN:  # the same product as the sparse path's x * (1 / length), rounded alike
-            n = tl.load(offsets + f * B + b + 1, mask=inb, other=1) - tl.load(offsets + f * B + b, mask=inb, other=0)
-            x = x * tl.where(mean, tl.math.div_rn(1.0, tl.maximum(n, 1).to(tl.float32)), 1.0)[:, None]
+        if HAS_MEAN:  # the sparse path's scale, so that the products round alike
+            start = tl.load(offsets + f * B + b, mask=inb, other=0)
+            end = tl.load(offsets + f * B + b + 1, mask=inb, other=0)
+            x = x * bag_scale(meta, f + 0 * b, stride_m, inb, start, end)[:, None]
         seen = tl.maximum(seen, tl.max(c, axis=0))
         ct = tl.trans(c)
         hi, r = _split(x)
