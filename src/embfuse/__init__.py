@@ -4,12 +4,12 @@ Importing embfuse needs neither a GPU nor Triton: CUDA tensors run Triton kernel
 is there, everything else runs the pure-torch references.
 """
 
-from embfuse.ops import embedding, embedding_bag, validate_bags
+from embfuse.ops import BadBatchError, BadIdError, check_errors, embedding, embedding_bag
 from embfuse.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse import nn, optim
 
 __version__ = "0.1.0"
-__all__ = ["embedding", "embedding_bag", "validate_bags", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
+__all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
            "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim",
            "__version__"]

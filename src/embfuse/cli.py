@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-_PROVIDERS = ("torch", "torch.compile", "embfuse", "embfuse+check", "fbgemm")
+_PROVIDERS = ("torch", "torch.compile", "embfuse", "embfuse-off", "fbgemm", "fbgemm-none")
 
 
 def _device(name: str) -> str:

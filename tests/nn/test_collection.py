@@ -116,19 +116,26 @@ def test_state_dict_has_torchrec_keys_and_round_trips(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bad_ids_name_the_feature_and_change_nothing(device):
-    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.1))
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_bad_ids_name_the_feature_and_change_nothing(device, mode):
+    """A training step on a bad batch: "sync" raises at the call, "deferred" (the default) by
+    check_errors() at the latest (at once on the CPU); nothing is updated either way."""
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.1, weight_decay=0.1), bounds_check=mode)
     before = ebc.weights.detach().clone()
     kjt = KeyedJaggedTensor(["uid", "friend", "iid", "genres"], torch.tensor([1, 2, 3, 9, 4]),
                             lengths=torch.tensor([1, 1, 1, 0, 1, 0, 0, 1])).to(device)
     with pytest.raises(IndexError, match=r"feature 'iid': values\[3\] = 9 \(sample 0\) is out of range for table "
                                          r"'item' of 9 rows"):
-        ebc(kjt)
+        ebc(kjt).values().sum().backward()
+        embfuse.check_errors()
     assert torch.equal(ebc.weights, before)
+    assert ebc.state_dict()["optimizer_step"] == 0
     bad_len = KeyedJaggedTensor(["uid", "friend", "iid", "genres"], torch.tensor([1, 2]),
                                 lengths=torch.tensor([1, 2, -1, 0, 0, 0, 0, 0])).to(device)
     with pytest.raises(ValueError, match=r"feature 'friend': lengths\[2\] \(sample 0\) = -1 is negative"):
-        ebc(bad_len)
+        ebc(bad_len).values().sum().backward()
+        embfuse.check_errors()
+    assert torch.equal(ebc.weights, before)
     with pytest.raises(KeyError, match="no feature 'genres'"):
         ebc(KeyedJaggedTensor(["uid", "friend", "iid"], torch.tensor([1]), lengths=torch.tensor([1, 0, 0])))
     skip = EmbeddingBagCollection(tables(), device=device, bounds_check="skip")
@@ -162,8 +169,9 @@ def test_opcheck_and_compile():
     P = ebc._plan(kjt.keys(), ebc.weights.device)
     L = P.layout
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
-                          (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None, P.meta, P.src_meta,
-                           4, P.total_dim, P.max_dim, L.vec, L.wide_keys, P.mean))
+                          (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None,
+                           torch.zeros(2, dtype=torch.int32), P.meta, P.src_meta, 4, P.total_dim, P.max_dim, L.vec,
+                           L.wide_keys, P.mean))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())

@@ -68,7 +68,8 @@ def test_max_norm_and_empty(device):
 def test_opcheck_and_compile(device):
     w = torch.randn(20, 8, device=device, requires_grad=True)
     ids = torch.randint(0, 20, (9,), device=device)
-    torch.library.opcheck(torch.ops.embfuse.embedding.default, (w, ids, 2, False, False))
+    status = torch.zeros(2, dtype=torch.int32, device=device)  # a deferred check's, passed
+    torch.library.opcheck(torch.ops.embfuse.embedding.default, (w, ids, status, 2, False, False))
     torch.library.opcheck(torch.ops.embfuse.embedding_backward.default, (torch.randn(9, 8, device=device), ids, 20,
                                                                          2, True))
     torch._dynamo.reset()

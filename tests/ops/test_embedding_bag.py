@@ -209,12 +209,13 @@ def test_opcheck(device, mode):
     w = torch.randn(20, 8, device=device, requires_grad=True)
     ids, offsets = random_bags(5, 4, 20, device)
     psw = torch.rand(ids.numel(), device=device, requires_grad=True) if mode == SUM else None
-    torch.library.opcheck(torch.ops.embfuse.embedding_bag.default, (w, ids, offsets, psw, mode, 2, False, False))
+    status = torch.zeros(2, dtype=torch.int32, device=device)  # a deferred check's, passed
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag.default, (w, ids, offsets, psw, status, mode, 2, False, False))
     g = torch.randn(5, 8, device=device)
     max_ids = embedding_bag_reference(w, ids, offsets, psw, mode, 2)[1]
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_backward.default,
-                          (g, ids, offsets, psw.detach() if psw is not None else None, max_ids.detach(), 20, mode, 2,
-                           False))
+                          (g, ids, offsets, psw.detach() if psw is not None else None, status, max_ids.detach(), 20,
+                           mode, 2, False))
 
 
 @pytest.mark.parametrize("device", DEVICES)

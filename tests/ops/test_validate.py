@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import embfuse
-from embfuse.ops._validate import BAD_ID, BAD_OFFSETS, bag_flags
+from embfuse.ops.validate import BAD_ID, BAD_OFFSETS, _ids_flags_reference, check_errors, validate_bags
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 
 N = 10
@@ -22,8 +22,8 @@ BAD_BAG_INPUTS = [
     ([1, -1, 3], [0, 1], {}, IndexError, "input[1] = -1 is out of range"),
     ([1, 2, 3], [1, 2], {}, ValueError, "offsets[0] must be 0, got 1"),
     ([1, 2, 3], [0, 2, 1], {}, ValueError, "offsets[1] = 2 > offsets[2] = 1"),
-    ([1, 2, 3], [0, 2, 4], {"include_last_offset": True}, ValueError, "offsets[-1] = 4 runs past the end"),
-    ([1, 2, 3], [0, 5], {}, ValueError, "offsets must be non-decreasing"),
+    ([1, 2, 3], [0, 2, 4], {"include_last_offset": True}, ValueError, "offsets[2] = 4 runs past the end"),
+    ([1, 2, 3], [0, 5], {}, ValueError, "offsets[1] = 5 runs past the end of the input"),
     ([1, 2, 3], [0, 1], {"mode": "mean", "per_sample_weights": [1.0, 2.0, 3.0]}, ValueError,
      "only supported for mode='sum'"),
     ([1, 2, 3], [0, 1], {"mode": "sum", "per_sample_weights": [1.0, 2.0]}, ValueError,
@@ -102,11 +102,53 @@ def test_bad_bounds_check_mode():
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
 )
 def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
-    """The fused validation kernel and the torch-op check raise the same flags on any input."""
+    """The check kernel's deferred flags and the torch-op check agree on any input, and the
+    deferred error is the one the torch-op check raises at once."""
     ids_t = torch.tensor(ids, dtype=index_dtype, device=KERNEL_DEVICE)
     off_t = torch.tensor(cuts, dtype=index_dtype, device=KERNEL_DEVICE)
-    expected = bag_flags(ids_t, off_t, N, kernel=False)
-    assert bag_flags(ids_t, off_t, N, kernel=True) == expected
+    expected = _ids_flags_reference(ids_t, off_t, N)
     bad_ids = any(not 0 <= i < N for i in ids)
     bad_off = cuts[0] != 0 or cuts[-1] > len(ids) or any(b < a for a, b in zip(cuts, cuts[1:]))
     assert expected == BAD_ID * bad_ids + BAD_OFFSETS * bad_off
+    *_, check = validate_bags(ids_t, off_t, N, kernel=True, fresh=True)
+    assert int(check.status[0]) == expected
+    if not expected:
+        check_errors()
+        assert check.bad is False
+        return
+    with pytest.raises((IndexError, ValueError)) as deferred:
+        check_errors()
+    with pytest.raises((IndexError, ValueError)) as at_once:
+        validate_bags(ids_t, off_t, N, kernel=False, bounds_check="sync")
+    assert str(deferred.value).startswith(str(at_once.value))
+    assert isinstance(deferred.value, RuntimeError) and isinstance(at_once.value, RuntimeError)
+    assert check.bad is True
+
+
+@requires_kernels
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
+def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
+    """The flat check of a keyed batch (each value's feature by binary search) flags what the
+    torch-op check flags, on any lengths and ids, bad offsets included."""
+    import itertools
+
+    from embfuse.ops.collection import Plan, _collection_flags_reference, validate_collection
+
+    rows = data.draw(st.lists(st.integers(1, 9), min_size=F, max_size=F))
+    plan = Plan([(r, 4) for r in rows], [(f, "sum", 4 * f) for f in range(F)], KERNEL_DEVICE)
+    lengths = data.draw(st.lists(st.integers(-1, 3), min_size=F * B, max_size=F * B))
+    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), device=KERNEL_DEVICE)
+    n = max(0, int(offsets[-1]) + data.draw(st.integers(-1, 1)))
+    values = torch.tensor(data.draw(st.lists(st.integers(-2, 10), min_size=n, max_size=n)), dtype=torch.int64,
+                          device=KERNEL_DEVICE)
+    expected = _collection_flags_reference(values, offsets, plan.limits, B)
+    keys = [f"f{i}" for i in range(F)]
+    *_, check = validate_collection(values, offsets, None, plan, B, keys, keys, kernel=True)
+    got = int(check.status[0])
+    # bad offsets are flagged by both; ids are compared only when the offsets are good
+    assert bool(got & BAD_OFFSETS) == bool(expected & BAD_OFFSETS)
+    if not expected & BAD_OFFSETS:
+        assert got == expected
+    with pytest.raises((IndexError, ValueError)) if expected else warnings.catch_warnings():
+        check_errors()

@@ -12,10 +12,12 @@ profiler, starting from a batch in pinned host memory, as a training loop sees i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported, attempt
+from embfuse.bench.providers import Unsupported, attempt, fbgemm_bounds_check
 from embfuse.bench.workloads import Workload, generate_ids
 
 # the 26 categorical features of Criteo's Kaggle display-advertising set, capped at the
@@ -41,14 +43,14 @@ def make_batch(w: Workload, device, seed: int = 0) -> embfuse.KeyedJaggedTensor:
 
 
 def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32,
-                    hot_rows=0) -> embfuse.EmbeddingBagCollection:
+                    hot_rows=0, bounds_check="deferred") -> embfuse.EmbeddingBagCollection:
     """The workload's tables as one embfuse.EmbeddingBagCollection, table i read by feature f{i}
-    (make_batch's keys); bounds checks off, as a benchmark feeds it valid ids. With `hot_rows`
+    (make_batch's keys); checked as a user gets it unless `bounds_check` says. With `hot_rows`
     (training) the hot set comes from another batch (seed 1), stepped once here, and stays; every
     batch takes the hot path, whatever its size."""
     ebc = embfuse.EmbeddingBagCollection(
         [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=data_type)
-         for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check="off",
+         for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check=bounds_check,
         hot_rows=hot_rows, hot_refresh=2**62, hot_min_values=0)
     if hot_rows:
         ebc(make_batch(w, device, seed=1)).values().sum().backward()
@@ -89,10 +91,10 @@ def _torch_loop(w, kjt, device, train):
     return forward, opt, move, mods
 
 
-def _fbgemm(w, kjt, device, train):
+def _fbgemm(w, kjt, device, train, checked=True):
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
         )
@@ -101,7 +103,7 @@ def _fbgemm(w, kjt, device, train):
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(r, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in table_rows(w)],
         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD if _rowwise(w) else EmbOptimType.EXACT_SGD, learning_rate=0.01,
-        bounds_check_mode=BoundsCheckMode.NONE)
+        bounds_check_mode=fbgemm_bounds_check(checked))
 
     def forward(batch):
         return tbe(batch.values(), batch.offsets())
@@ -128,9 +130,9 @@ def _torchrec(w, kjt, device, train):
     return (lambda batch: ebc(batch.to_torchrec()).values()), opt, (lambda host: host.to(device)), [ebc]
 
 
-def _embfuse(w, kjt, device, train, hot_rows=0):
+def _embfuse(w, kjt, device, train, hot_rows=0, bounds_check="deferred"):
     rule = embfuse.optim.RowWiseAdagrad(lr=0.01) if _rowwise(w) else embfuse.optim.SGD(lr=0.01)
-    ebc = make_collection(w, device, rule if train else None, hot_rows=hot_rows)
+    ebc = make_collection(w, device, rule if train else None, hot_rows=hot_rows, bounds_check=bounds_check)
     return (lambda batch: ebc(batch).values()), None, (lambda host: host.to(device, non_blocking=True)), [ebc]
 
 
@@ -142,11 +144,13 @@ def _embfuse_hot(w, kjt, device, train):
 
 # hot rows a table of the "embfuse-hot" provider (benchmarks/NOTES.md, session 9)
 HOT_ROWS = 64
-COLLECTION_PROVIDERS = {"torch": _torch_loop, "fbgemm": _fbgemm, "torchrec": _torchrec, "embfuse": _embfuse,
+COLLECTION_PROVIDERS = {"torch": _torch_loop, "fbgemm": _fbgemm,
+                        "fbgemm-none": functools.partial(_fbgemm, checked=False), "torchrec": _torchrec,
+                        "embfuse": _embfuse, "embfuse-off": functools.partial(_embfuse, bounds_check="off"),
                         "embfuse-hot": _embfuse_hot}
 
 
-def _counts(fn) -> dict:
+def launch_counts(fn) -> dict:
     """Kernels and host-to-device copies that one call of `fn` puts on the GPU."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -187,7 +191,7 @@ def measure_collection(w: Workload, device) -> list[dict]:
 
             step()
             row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
-            row.update(_counts(lambda: step(move(host))))
+            row.update(launch_counts(lambda: step(move(host))))
 
         attempt(row, measure)
         rows.append(row)

@@ -51,21 +51,30 @@ def torch_compiled(w, tables, ids, offsets):
     return _lookup(_compiled(w.kind), w, tables, ids, offsets)
 
 
+def embfuse_default(w, tables, ids, offsets):
+    """What a user gets: embfuse's default, checked (bounds_check="deferred")."""
+    return _lookup(embfuse.embedding if w.kind == "embedding" else embfuse.embedding_bag, w, tables, ids, offsets)
+
+
 def embfuse_unchecked(w, tables, ids, offsets):
     fn = embfuse.embedding if w.kind == "embedding" else embfuse.embedding_bag
     return _lookup(functools.partial(fn, bounds_check="off"), w, tables, ids, offsets)
 
 
-def embfuse_checked(w, tables, ids, offsets):
-    return _lookup(embfuse.embedding if w.kind == "embedding" else embfuse.embedding_bag, w, tables, ids, offsets)
+def fbgemm_bounds_check(checked: bool):
+    """FBGEMM's BoundsCheckMode: its default WARNING (checked) or NONE."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    return BoundsCheckMode.WARNING if checked else BoundsCheckMode.NONE
 
 
-def fbgemm_tbe(w, tables, ids, offsets):
-    """FBGEMM_GPU's table-batched embedding, bounds checks off, all tables in one call."""
+def fbgemm_tbe(w, tables, ids, offsets, checked=True):
+    """FBGEMM_GPU's table-batched embedding, all tables in one call; its default bounds check
+    (WARNING) or none."""
     try:
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            BoundsCheckMode, EmbeddingLocation, PoolingMode,
+            EmbeddingLocation, PoolingMode,
         )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
@@ -80,7 +89,7 @@ def fbgemm_tbe(w, tables, ids, offsets):
         weights_precision=precision, output_dtype=precision,
         cache_precision=SparseType.FP16 if precision == SparseType.FP16 else SparseType.FP32,
         pooling_mode=PoolingMode.SUM if w.mode == "sum" else PoolingMode.MEAN,
-        bounds_check_mode=BoundsCheckMode.NONE,
+        bounds_check_mode=fbgemm_bounds_check(checked),
     )
     with torch.no_grad():
         for dst, src in zip(tbe.split_embedding_weights(), tables):
@@ -105,7 +114,8 @@ def fbgemm_tbe(w, tables, ids, offsets):
 PROVIDERS = {
     "torch": torch_native,
     "torch.compile": torch_compiled,
-    "embfuse": embfuse_unchecked,
-    "embfuse+check": embfuse_checked,
+    "embfuse": embfuse_default,
+    "embfuse-off": embfuse_unchecked,
     "fbgemm": fbgemm_tbe,
+    "fbgemm-none": functools.partial(fbgemm_tbe, checked=False),
 }

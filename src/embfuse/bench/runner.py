@@ -109,7 +109,10 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
             row["matches_first"] = _close(out, first[0], w.torch_dtype)
             row["us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
             if w.group == "latency":
+                from embfuse.bench.collection import launch_counts
+
                 row["host_us_per_call"] = _host_us(fn)
+                row["launches_per_call"] = launch_counts(fn)["kernels_per_step"]
                 if name in ("torch", "embfuse"):
                     row["graph_us"] = _graph_us(fn)
 

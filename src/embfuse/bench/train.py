@@ -13,7 +13,7 @@ import functools
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported, attempt
+from embfuse.bench.providers import Unsupported, attempt, fbgemm_bounds_check
 from embfuse.bench.workloads import Workload, generate_batch
 
 
@@ -53,21 +53,21 @@ def torch_sparse_sgd(w, ids, device):
     return step, mods
 
 
-def _embfuse(optimizer):
+def _embfuse(optimizer, bounds_check="deferred"):
     def make(w, ids, device):
-        mods = [embfuse.nn.EmbeddingBag(w.rows, w.dim, mode="sum", optimizer=optimizer, bounds_check="off",
+        mods = [embfuse.nn.EmbeddingBag(w.rows, w.dim, mode="sum", optimizer=optimizer, bounds_check=bounds_check,
                                         device=device) for _ in ids]
         grad = torch.randn(w.batch, w.dim * len(ids), device=device)
         return _step([lambda m=m, x=x: m(x) for m, x in zip(mods, ids)], grad), mods
     return make
 
 
-def _collection(optimizer):
+def _collection(optimizer, bounds_check="deferred"):
     """All tables in one embfuse.EmbeddingBagCollection, fed one keyed batch."""
     def make(w, ids, device):
         ebc = embfuse.EmbeddingBagCollection(
             [embfuse.EmbeddingBagConfig(w.rows, w.dim, f"t{t}", feature_names=[f"f{t}"]) for t in range(len(ids))],
-            device=device, optimizer=optimizer, bounds_check="off")
+            device=device, optimizer=optimizer, bounds_check=bounds_check)
         kjt = embfuse.KeyedJaggedTensor(
             [f"f{t}" for t in range(len(ids))], torch.cat([x.reshape(-1) for x in ids]),
             lengths=torch.full((len(ids) * w.batch,), w.hotness, device=device),
@@ -77,11 +77,11 @@ def _collection(optimizer):
     return make
 
 
-def _fbgemm(kind):
+def _fbgemm(kind, checked=True):
     def make(w, ids, device):
         try:
             from fbgemm_gpu.split_embedding_configs import EmbOptimType
-            from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
             from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
                 ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
             )
@@ -90,7 +90,7 @@ def _fbgemm(kind):
         opt = EmbOptimType.EXACT_SGD if kind == "sgd" else EmbOptimType.EXACT_ROWWISE_ADAGRAD
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(w.rows, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for _ in ids],
-            optimizer=opt, learning_rate=0.01, eps=1e-8, bounds_check_mode=BoundsCheckMode.NONE)
+            optimizer=opt, learning_rate=0.01, eps=1e-8, bounds_check_mode=fbgemm_bounds_check(checked))
         flat = torch.cat([x.reshape(-1) for x in ids])
         offs = torch.arange(0, flat.numel() + 1, w.hotness, device=device)
         grad = torch.randn(w.batch, w.dim * len(ids), device=device)
@@ -106,8 +106,10 @@ TRAIN_PROVIDERS = {
     "embfuse": _embfuse(embfuse.optim.SGD(lr=0.01)),
     "embfuse rowwise-adagrad": _embfuse(embfuse.optim.RowWiseAdagrad(lr=0.01, eps=1e-8)),
     "embfuse-ebc": _collection(embfuse.optim.SGD(lr=0.01)),
+    "embfuse-ebc-off": _collection(embfuse.optim.SGD(lr=0.01), "off"),
     "embfuse-ebc rowwise-adagrad": _collection(embfuse.optim.RowWiseAdagrad(lr=0.01, eps=1e-8)),
     "fbgemm": _fbgemm("sgd"),
+    "fbgemm-none": _fbgemm("sgd", checked=False),
     "fbgemm rowwise-adagrad": _fbgemm("rowwise"),
 }
 
@@ -128,7 +130,8 @@ def _dense(lookup):
 
 BACKWARD_PROVIDERS = {
     "torch": _dense(torch.nn.functional.embedding_bag),
-    "embfuse": _dense(functools.partial(embfuse.embedding_bag, bounds_check="off")),
+    "embfuse": _dense(embfuse.embedding_bag),
+    "embfuse-off": _dense(functools.partial(embfuse.embedding_bag, bounds_check="off")),
 }
 
 

@@ -19,7 +19,9 @@ from torch import Tensor
 
 from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, ranked_rows,
                                     table_view, validate_collection)
-from embfuse.ops.embedding import embedding
+from embfuse._triton import needs_op
+from embfuse.ops.embedding import lookup_rows
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard
 from embfuse.optim.hot import HOT_MIN_VALUES, HotRows
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
 from embfuse.nn.modules import _FusedMixin
@@ -82,7 +84,7 @@ class _Collection(_FusedMixin, torch.nn.Module):
 
     _prefix = ""  # "embedding_bags" / "embeddings"
 
-    def __init__(self, tables, device=None, optimizer=None, bounds_check="raise"):
+    def __init__(self, tables, device=None, optimizer=None, bounds_check=DEFAULT_BOUNDS_CHECK):
         super().__init__()
         if not tables:
             raise ValueError("a collection needs at least one table")
@@ -164,8 +166,8 @@ class _Collection(_FusedMixin, torch.nn.Module):
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
-        values, offsets, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan, B, keys,
-                                                 [self.tables[self._table_of[k]].name for k in keys], "raise")
+        values, offsets, _, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan, B, keys,
+                                                    [self.tables[self._table_of[k]].name for k in keys], "sync")
         T, dev = len(self.tables), values.device
         starts = torch.tensor(self._row_starts, device=dev)
         feature = bag_of_value(offsets, values.numel()) // max(B, 1)
@@ -206,7 +208,7 @@ class EmbeddingBagCollection(_Collection):
     _prefix = "embedding_bags"
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
-                 bounds_check: str = "raise", hot_rows: int = 0, hot_refresh: int = 100,
+                 bounds_check: str = DEFAULT_BOUNDS_CHECK, hot_rows: int = 0, hot_refresh: int = 100,
                  hot_min_values: int = HOT_MIN_VALUES):
         for t in tables:
             _pooling(t.pooling)
@@ -244,17 +246,18 @@ class EmbeddingBagCollection(_Collection):
         psw = kjt.weights_or_none() if self.is_weighted else None
         if self.is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
-        values, offsets, psw = validate_collection(
-            kjt.values(), kjt.offsets(), psw, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
-            self.bounds_check)
         fused = self._fused_now()
+        values, offsets, psw, check = validate_collection(
+            kjt.values(), kjt.offsets(), psw, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            self.bounds_check, fresh=fused is not None or needs_op(self.weights))
         if fused is not None:
             hot = self._hot
             if hot is not None:
                 hot.slot, hot.keys = self.hot_slot, self.hot_keys
-            out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B, hot)
+            out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B, hot, check)
         else:
-            out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B)
+            out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B,
+                                           None if check is None else check.status)
         return KeyedTensor(self.feature_names, self._dims, out)
 
 
@@ -265,7 +268,8 @@ class EmbeddingCollection(_Collection):
 
     _prefix = "embeddings"
 
-    def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None, bounds_check: str = "raise"):
+    def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None,
+                 bounds_check: str = DEFAULT_BOUNDS_CHECK):
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:
             raise ValueError(f"the tables of an EmbeddingCollection share one embedding_dim; got {sorted(dims)}")
@@ -291,17 +295,23 @@ class EmbeddingCollection(_Collection):
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
-        values, offsets, _ = validate_collection(
-            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._table_of[k]].name for k in keys],
-            self.bounds_check)
-        lengths = offsets[1:] - offsets[:-1]
-        rows = plan.meta[:, ROW_START][bag_of_value(offsets, values.numel()) // max(B, 1)] + values.long()
-        table = self.weights.view(-1, self.embedding_dim)
         fused = self._fused_now()
+        values, offsets, _, check = validate_collection(
+            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._table_of[k]].name for k in keys],
+            self.bounds_check, fresh=fused is not None or needs_op(self.weights))
+        status = None if check is None else check.status
+        # a bad batch's offsets and bags could index anywhere: guarded to 0 (its lookup gives zeros)
+        safe = offsets if status is None else guard(offsets, status, 0)
+        lengths = offsets[1:] - offsets[:-1]
+        bag = bag_of_value(safe, values.numel())
+        if status is not None:
+            bag = guard(bag, status, 0)
+        rows = plan.meta[:, ROW_START][bag // max(B, 1)] + values.long()
+        table = self.weights.view(-1, self.embedding_dim)
         if fused is not None:
-            out = fused_embedding(fused, rows, table, bounds_check="off")
+            out = fused_embedding(fused, rows, table, bounds_check="off", check=check)
         else:
-            out = embedding(rows, table, bounds_check="off")
+            out = lookup_rows(table, rows, status)
         counts = kjt.length_per_key() if values is kjt.values() else lengths.reshape(len(keys), B).sum(1).tolist()
         return {k: JaggedTensor(v, lengths=lengths[i * B:(i + 1) * B])
                 for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}

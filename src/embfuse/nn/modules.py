@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from embfuse.ops import embedding, embedding_bag
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
 
@@ -66,7 +67,7 @@ class _FusedMixin:
 class Embedding(_FusedMixin, torch.nn.Embedding):
     """`torch.nn.Embedding` with embfuse's lookup. `bounds_check` as in `embfuse.embedding`."""
 
-    def __init__(self, *args, bounds_check: str = "raise", optimizer=None, **kwargs):
+    def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fused(bounds_check, optimizer)
 
@@ -82,7 +83,7 @@ class Embedding(_FusedMixin, torch.nn.Embedding):
 class EmbeddingBag(_FusedMixin, torch.nn.EmbeddingBag):
     """`torch.nn.EmbeddingBag` with embfuse's pooled lookup."""
 
-    def __init__(self, *args, bounds_check: str = "raise", optimizer=None, **kwargs):
+    def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fused(bounds_check, optimizer)
 

@@ -11,6 +11,7 @@ launches for the whole collection, whatever the number of tables.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -19,7 +20,9 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import Layout, reduce_segments, table_starts
-from embfuse.ops._validate import can_sync, check_bounds_mode, check_index_dtype
+from embfuse.ops.validate import (BAD_ID, BAD_OFFSETS, DEFAULT_BOUNDS_CHECK, BadBatchError, BadIdError,
+                                  TracedCheck, _traced_mode, check_bounds_mode, check_index_dtype,
+                                  launch_bags_check, run_check)
 from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_bag
 
 POOLING = {"sum": SUM, "mean": MEAN}
@@ -42,6 +45,7 @@ class Plan:
         self.rows = [[elem[t], tables[t][1], col, POOLING[pooling], row[t], tables[t][0], t << self.layout.shift]
                      for t, pooling, col in features]
         self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, KEY_START + 1)
+        self.limits = self.meta[:, ROWS].contiguous()  # rows of each feature's table: the check's bounds
         self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim
@@ -126,8 +130,9 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 
 @triton.jit
 def _collection_fwd_kernel(
-    weights, values, offsets, psw, meta, out, B, stride_o, stride_m,
-    HAS_PSW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr,
+    weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m,
+    HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
@@ -143,6 +148,8 @@ def _collection_fwd_kernel(
     table = weights + tl.multiple_of(tl.load(meta + f * stride_m), VEC)
     col = tl.multiple_of(tl.load(meta + f * stride_m + 2), VEC)
     mean = tl.load(meta + f * stride_m + 3) == 1
+    if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
+        end = tl.where(tl.load(status) == 0, end, start)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
@@ -154,7 +161,7 @@ def _collection_fwd_kernel(
         tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
-def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None):
+def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None):
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
     `config`: launch-shape overrides for sweeps (see embedding_bag._config)."""
     F = meta.shape[0]
@@ -164,8 +171,9 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     avg = next_pow2(max(1, values.numel() // max(1, F * B)))
     cfg = _config(max_dim, avg, config) if config or tracing() else _config_cached(max_dim, avg)
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
-        weights, values, offsets, psw if psw is not None else weights, meta, out, B, out.stride(0), meta.stride(0),
-        HAS_PSW=psw is not None, VEC=vec, **cfg)
+        weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
+        meta, out, B, out.stride(0), meta.stride(0), HAS_PSW=psw is not None, STATUS=status is not None, VEC=vec,
+        **cfg)
     return out
 
 
@@ -205,16 +213,25 @@ def bag_scale(meta, f, stride_m, real, start, end):
 
 
 @triton.jit
-def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out, FB, B, stride_m,
-                            HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, BAGS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _backward_inputs_kernel(values, offsets, psw, status, meta, keys, bag_out, scale_out, n, FB, B, stride_m,
+                            HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, STATUS: tl.constexpr,
+                            BAGS: tl.constexpr, BLOCK: tl.constexpr):
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
     key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
     scale = bag_scale(meta, f, stride_m, real, start, end)
+    if STATUS:  # a bad batch: every value gets key -1, the bags splitting [0, n) evenly
+        bad = tl.load(status) != 0
+        chunk = (n + FB - 1) // FB
+        start = tl.where(bad, tl.minimum(g * chunk, n), start)
+        end = tl.where(bad, tl.minimum(start + chunk, n), end)
+        key0 = tl.where(bad, -1, key0)
     for i in range(0, tl.max(end - start), BLOCK):
         p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
         m = p < end[:, None]
-        tl.store(keys + p, (key0[:, None] + tl.load(values + p, mask=m, other=0)).to(keys.dtype.element_ty), mask=m)
+        v = tl.load(values + p, mask=m, other=0)
+        if STATUS:
+            v = tl.where(key0[:, None] < 0, 0, v)
+        tl.store(keys + p, (key0[:, None] + v).to(keys.dtype.element_ty), mask=m)
         tl.store(bag_out + p, (g[:, None] + 0 * p).to(bag_out.dtype.element_ty), mask=m)
         if HAS_PSW:
             w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
@@ -223,11 +240,12 @@ def _backward_inputs_kernel(values, offsets, psw, meta, keys, bag_out, scale_out
             tl.store(scale_out + p, scale[:, None] + tl.zeros([BAGS, BLOCK], tl.float32), mask=m)
 
 
-def backward_inputs(values, offsets, psw, meta, B, wide_keys=True, mean=True):
+def backward_inputs(values, offsets, psw, meta, B, wide_keys=True, mean=True, status=None):
     """`backward_inputs_reference` in one launch instead of ten torch ops over every value;
     keys int32 unless `wide_keys`, bags int32 while they fit. Without weights and with no
     feature averaging (`mean` False: Plan.mean) every scale is 1 and none is returned (None):
-    the reduction then reads no scale a value, a 4-byte gather from a random place each."""
+    the reduction then reads no scale a value, a 4-byte gather from a random place each.
+    `status`: the batch's deferred check; a bad batch gives every value key -1."""
     n, FB = values.numel(), offsets.numel() - 1
     keys = torch.empty(n, dtype=torch.int64 if wide_keys else torch.int32, device=values.device)
     bag = torch.empty(n, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=values.device)
@@ -235,18 +253,20 @@ def backward_inputs(values, offsets, psw, meta, B, wide_keys=True, mean=True):
     scale = torch.empty(n, dtype=torch.float32, device=values.device) if scaled else None
     if n and FB:
         launch(_backward_inputs_kernel)[(cdiv(FB, 8),)](
-            values, offsets, psw if psw is not None else keys, meta, keys, bag, scale if scaled else keys, FB,
-            max(B, 1), meta.stride(0), HAS_PSW=psw is not None, HAS_SCALE=scaled, BAGS=8, BLOCK=32)
+            values, offsets, psw if psw is not None else keys, status if status is not None else offsets, meta, keys,
+            bag, scale if scaled else keys, n, FB, max(B, 1), meta.stride(0), HAS_PSW=psw is not None,
+            HAS_SCALE=scaled, STATUS=status is not None, BAGS=8, BLOCK=32)
     return keys, bag, scale
 
 
-def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, mean=True):
+def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, mean=True,
+                        status=None):
     """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta and mean:
     Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
-    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys, mean)
+    keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, layout.wide_keys, mean, status)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
@@ -260,107 +280,183 @@ def collection_backward_reference(grad, values, offsets, psw, meta, B, num_eleme
     return out.to(grad.dtype)
 
 
-def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec):
+def guard_bags(values, offsets, status):
+    """(values, offsets) for the torch-op paths, which would fault on a bad batch: when `status`
+    says the batch is bad, every value 0 in the first bag (in range whatever the tables); the
+    caller zeroes what they give. Elementwise ops, no host read (so they trace)."""
+    good = status[0] == 0
+    n = values.numel()
+    safe = torch.cat([offsets[:1] * 0, torch.full_like(offsets[1:], n)])
+    return torch.where(good, values, 0), torch.where(good, offsets, safe)
+
+
+def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, status=None):
     if use_kernels(weights) and weights.dtype != torch.float64:
-        return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec)
+        return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, status=status)
+    if status is not None:
+        values, offsets = guard_bags(values, offsets, status)
+        return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim) * (status[0] == 0)
     return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                   meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int, vec: int,
-                   wide_keys: bool, mean: bool) -> Tensor:
-    return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec)
+                   status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
+                   vec: int, wide_keys: bool, mean: bool) -> Tensor:
+    return _forward_impl(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec, status)
 
 
 @_collection_op.register_fake
-def _(weights, values, offsets, per_sample_weights, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, mean):
+def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys,
+      mean):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                            meta: Tensor, src_meta: Tensor, B: int, num_elements: int, max_dim: int, vec: int,
-                            wide_keys: bool, mean: bool) -> Tensor:
+                            status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
+                            max_dim: int, vec: int, wide_keys: bool, mean: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
-                                   num_elements, mean)
+                                   num_elements, mean, status)
+    if status is not None:
+        values, offsets = guard_bags(values, offsets, status)
+        grad = grad * (status[0] == 0)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 
 @_collection_backward_op.register_fake
-def _(grad, values, offsets, per_sample_weights, meta, src_meta, B, num_elements, max_dim, vec, wide_keys, mean):
+def _(grad, values, offsets, per_sample_weights, status, meta, src_meta, B, num_elements, max_dim, vec, wide_keys,
+      mean):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
-    weights, values, offsets, psw, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, mean = inputs
-    ctx.save_for_backward(values, offsets, psw, meta, src_meta)
+    weights, values, offsets, psw, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, mean = inputs
+    ctx.save_for_backward(values, offsets, psw, status, meta, src_meta)
     ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, mean)
 
 
 def _autograd_backward(ctx, grad):
-    values, offsets, psw, meta, src_meta = ctx.saved_tensors
+    values, offsets, psw, status, meta, src_meta = ctx.saved_tensors
     g = None
     if ctx.needs_input_grad[0]:
-        g = _collection_backward_op(grad, values, offsets, psw, meta, src_meta, *ctx.args)
-    return (g,) + (None,) * 11
+        g = _collection_backward_op(grad, values, offsets, psw, status, meta, src_meta, *ctx.args)
+    return (g,) + (None,) * 12
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                             plan: Plan, B: int) -> Tensor:
-    """Pooled lookup of every feature (checked input, canonical offsets); (B, plan.total_dim)."""
+                             plan: Plan, B: int, status: Optional[Tensor] = None) -> Tensor:
+    """Pooled lookup of every feature (checked input, canonical offsets); (B, plan.total_dim).
+    `status`: the batch's deferred check (validate_collection), or None."""
     if per_sample_weights is not None and per_sample_weights.requires_grad:
         raise ValueError("per-sample weights of a collection get no gradient; detach them")
     if needs_op(weights):
         L = plan.layout
-        return _collection_op(weights, values, offsets, per_sample_weights, plan.meta, plan.src_meta, B,
+        return _collection_op(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B,
                               plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.mean)
     return _forward_impl(weights, values, offsets, per_sample_weights, plan.meta, B, plan.total_dim, plan.max_dim,
-                         plan.layout.vec)
+                         plan.layout.vec, status)
+
+
+def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids):
+    """The exact error of a keyed batch, if it has one (host reads: the slow path)."""
+    n, FB = values.numel(), offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    neg = (lengths < 0).nonzero()
+    if neg.numel():
+        g = int(neg[0])
+        raise BadBatchError(f"feature {keys[g // B]!r}: lengths[{g}] (sample {g % B}) = {int(lengths[g])} is "
+                            f"negative")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n:
+        raise BadBatchError(f"lengths add up to {int(offsets[-1]) - int(offsets[0])} but there are {n} values")
+    if skip_ids or n == 0:
+        return
+    bag = bag_of_value(offsets, n)
+    bad = ((values < 0) | (values >= limits[bag // B])).nonzero()
+    if bad.numel():
+        p = int(bad[0])
+        g = int(bag[p])
+        f = g // B
+        rows = int(limits[f])
+        raise BadIdError(f"feature {keys[f]!r}: values[{p}] = {int(values[p])} (sample {g % B}) is out of range for "
+                         f"table {tables[f]!r} of {rows} rows (valid ids are 0..{rows - 1})")
+
+
+def _collection_flags_reference(values, offsets, limits, B) -> int:
+    n = values.numel()
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 0).any()) or int(offsets[0]) != 0 or int(offsets[-1]) != n:
+        return BAD_OFFSETS
+    bad = (values < 0) | (values >= limits[bag_of_value(offsets, n) // B])
+    return BAD_ID if bool(bad.any()) else 0
+
+
+def _run_collection_check(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel):
+    raise_error = functools.partial(_raise_collection, values, offsets, limits, B, keys, tables,
+                                    bounds_check == "skip")
+    return run_check(
+        values.device, use_kernels(values) if kernel is None else kernel, bounds_check,
+        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B),
+        lambda: _collection_flags_reference(values, offsets, limits, B), raise_error, "EmbeddingBagCollection",
+        fresh)
 
 
 def validate_collection(values: Tensor, offsets: Tensor, psw: Optional[Tensor], plan: Plan, B: int,
-                        keys: list[str], tables: list[str], bounds_check: str = "raise"):
-    """Check a keyed batch against the collection's tables with one host read: lengths that are
+                        keys: list[str], tables: list[str], bounds_check: str = DEFAULT_BOUNDS_CHECK,
+                        fresh: bool = True, kernel: Optional[bool] = None):
+    """Check a keyed batch against the collection's tables in one pass: lengths that are
     non-negative and add up to the values, every id inside its feature's table. Returns the
-    (values, offsets, per_sample_weights) to use: compacted copies when bounds_check="skip"
-    drops bad ids. Errors name the feature, its table, the position and the sample."""
+    (values, offsets, per_sample_weights, check) to use: compacted copies when bounds_check="skip"
+    drops bad ids, and the deferred Check whose status the kernels read (or None). Errors name
+    the feature, its table, the position and the sample."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
-    if psw is not None and psw.shape != values.shape:
-        raise ValueError(f"weights has shape {tuple(psw.shape)}; values has {tuple(values.shape)}")
+    if psw is not None:
+        if not psw.is_floating_point():
+            raise TypeError(f"weights must be floating point, got {psw.dtype}")
+        if psw.shape != values.shape:
+            raise ValueError(f"weights has shape {tuple(psw.shape)}; values has {tuple(values.shape)}")
     n, FB = values.numel(), offsets.numel() - 1
-    if bounds_check == "off" or not can_sync(values) or FB == 0:
-        return values, offsets, psw
-    lengths = offsets[1:] - offsets[:-1]
-    bag = (torch.searchsorted(offsets, torch.arange(n, device=values.device, dtype=offsets.dtype), right=True)
-           - 1).clamp(0, FB - 1)
-    limit = plan.meta[:, ROWS][bag // B]
-    bad = (values < 0) | (values >= limit)
-    neg, total, any_bad = torch.stack([(lengths < 0).any().long(), offsets[-1].long(), bad.any().long()]).tolist()
-    if neg:
-        g = int((lengths < 0).nonzero()[0])
-        raise ValueError(f"feature {keys[g // B]!r}: lengths[{g}] (sample {g % B}) = {int(lengths[g])} is negative")
-    if total != n:
-        raise ValueError(f"lengths add up to {total} but there are {n} values")
-    if not any_bad:
-        return values, offsets, psw
-    p = int(bad.nonzero()[0])
-    g = int(bag[p])
-    f = g // B
-    rows = plan.rows[f][ROWS]
-    msg = (f"feature {keys[f]!r}: values[{p}] = {int(values[p])} (sample {g % B}) is out of range for table "
-           f"{tables[f]!r} of {rows} rows (valid ids are 0..{rows - 1})")
-    if bounds_check == "raise":
-        raise IndexError(msg)
+    if FB == 0 and n:
+        raise BadBatchError(f"the batch has no bags but {n} values")
+    if bounds_check == "off" or FB == 0:
+        return values, offsets, psw, None
+    B = max(B, 1)
+    if tracing():
+        return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, plan.limits, B, "\n".join(keys),
+                                                                "\n".join(tables), _traced_mode(bounds_check)))
+
+    check, flags = _run_collection_check(values, offsets, plan.limits, B, keys, tables, bounds_check, fresh, kernel)
+    if not flags:
+        return values, offsets, psw, check
+    bag = bag_of_value(offsets, n)
+    bad = (values < 0) | (values >= plan.limits[bag // B])
+    try:
+        _raise_collection(values, offsets, plan.limits, B, keys, tables, False)
+    except BadIdError as e:
+        warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {e}", stacklevel=3)
     keep = ~bad
-    warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {msg}", stacklevel=3)
     kept = torch.bincount(bag[keep], minlength=FB).to(offsets.dtype)
     offsets = torch.cat([offsets[:1], kept.cumsum(0).to(offsets.dtype)])
-    return values[keep], offsets, None if psw is None else psw[keep]
+    return values[keep], offsets, None if psw is None else psw[keep], None
+
+
+@torch.library.custom_op("embfuse::check_bags", mutates_args=())
+def _check_bags_op(values: Tensor, offsets: Tensor, limits: Tensor, B: int, keys: str, tables: str,
+                   bounds_check: str) -> Tensor:
+    """validate_collection as one opaque op for torch.compile graphs: the check's status (keys
+    and table names joined by newlines: an op takes no list of strings)."""
+    check = _run_collection_check(values, offsets, limits, B, keys.split("\n"), tables.split("\n"), bounds_check,
+                                  True, None)[0]
+    return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=values.device)
+
+
+@_check_bags_op.register_fake
+def _(values, offsets, limits, B, keys, tables, bounds_check):
+    return values.new_empty(2, dtype=torch.int32)

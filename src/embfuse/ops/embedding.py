@@ -13,8 +13,8 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
 from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
-from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
-                                   sparse_layout, validate_ids)
+from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
+                                  check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_ids)
 
 
 def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
@@ -23,18 +23,21 @@ def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
 
 
 @triton.jit
-def _embedding_fwd_kernel(weight, indices, out, n, D, stride_w, stride_o, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o, STATUS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pos = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     nmask = pos < n
     m2 = nmask[:, None] & (cols < D)[None, :]
     ids = tl.load(indices + pos, mask=nmask, other=0).to(tl.int64)
-    rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2)
+    read = m2
+    if STATUS:  # a batch its check found bad reads no row: zeros (ops/validate.py)
+        read = (pos < tl.where(tl.load(status) == 0, n, 0))[:, None] & (cols < D)[None, :]
+    rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=read, other=0.0)
     tl.store(out + pos[:, None] * stride_o + cols[None, :], rows, mask=m2)
 
 
-def embedding_forward(weight: Tensor, indices: Tensor) -> Tensor:
+def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] = None) -> Tensor:
     """Triton launcher: same result as `embedding_reference`."""
     n, D = indices.numel(), weight.shape[1]
     out = torch.empty(n, D, dtype=weight.dtype, device=weight.device)
@@ -43,32 +46,40 @@ def embedding_forward(weight: Tensor, indices: Tensor) -> Tensor:
     block_d = min(next_pow2(D), 256)
     block_n = max(1, min(64, 2048 // block_d))
     launch(_embedding_fwd_kernel)[(cdiv(n, block_n), cdiv(D, block_d))](
-        weight, indices, out, n, D, weight.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_D=block_d
+        weight, indices, status if status is not None else indices, out, n, D, weight.stride(0), out.stride(0),
+        STATUS=status is not None, BLOCK_N=block_n, BLOCK_D=block_d
     )
     return out
 
 
-def _forward_impl(weight, indices):
+def _forward_impl(weight, indices, status=None):
     if use_kernels(weight):
-        return embedding_forward(weight, indices)
+        return embedding_forward(weight, indices, status)
+    if status is not None:  # torch's gather would fault on a bad id: a bad batch gives zeros
+        return embedding_reference(weight, guard(indices, status, 0)) * (status[0] == 0)
     return embedding_reference(weight, indices)
 
 
+def guarded_ids(indices, status):
+    """The ids as the backward takes them: int64, every one -1 when the batch is bad."""
+    return indices.long() if status is None else guard(indices.long(), status, -1)
+
+
 @kernel_op("embfuse::embedding", mutates_args=())
-def _embedding_op(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool,
-                  sparse: int) -> Tensor:
-    return _forward_impl(weight, indices)
+def _embedding_op(weight: Tensor, indices: Tensor, status: Optional[Tensor], padding_idx: int,
+                  scale_grad_by_freq: bool, sparse: int) -> Tensor:
+    return _forward_impl(weight, indices, status)
 
 
 @_embedding_op.register_fake
-def _(weight, indices, padding_idx, scale_grad_by_freq, sparse):
+def _(weight, indices, status, padding_idx, scale_grad_by_freq, sparse):
     return weight.new_empty(indices.shape[0], weight.shape[1])
 
 
 @kernel_op("embfuse::embedding_backward", mutates_args=())
 def _embedding_backward_op(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                            scale_grad_by_freq: bool) -> Tensor:
-    ids = indices.long()
+    ids = indices.long()  # (-1: no row)
     if use_kernels(grad) and grad.dtype != torch.float64:
         return segment_grad(ids, grad.contiguous(), None, None, num_weights, padding_idx, scale_grad_by_freq,
                             grad.dtype)
@@ -81,11 +92,14 @@ def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
 
 
 def _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
-    """torch's sparse=True gradient: one COO entry per position (padding rows get zeros)."""
+    """torch's sparse=True gradient: one COO entry per position (padding rows get zeros;
+    positions of id -1, a bad batch's, row 0 with zeros)."""
     ids = indices.long()
-    values = grad
+    keep = ids >= 0
     if padding_idx >= 0:
-        values = values * (ids != padding_idx)[:, None]
+        keep = keep & (ids != padding_idx)
+    values = grad * keep[:, None]
+    ids = torch.where(ids >= 0, ids, 0)
     if scale_grad_by_freq:
         counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(
             0, ids, torch.ones_like(ids, dtype=torch.float32)
@@ -95,16 +109,17 @@ def _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
 
 
 def _setup_context(ctx, inputs, output):
-    weight, indices, padding_idx, scale_grad_by_freq, sparse = inputs
-    ctx.save_for_backward(indices)
+    weight, indices, status, padding_idx, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(indices, status)
     ctx.args = (weight.shape[0], padding_idx, scale_grad_by_freq, sparse)
 
 
 def _autograd_backward(ctx, grad):
-    (indices,) = ctx.saved_tensors
+    indices, status = ctx.saved_tensors
     num_weights, padding_idx, scale_grad_by_freq, sparse = ctx.args
     if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
+    indices = guarded_ids(indices, status)
     if sparse == ROWWISE:
         g = rowwise_sparse_grad(indices.long(), grad, None, None, num_weights, padding_idx, scale_grad_by_freq,
                                 use_kernels(grad) and grad.dtype != torch.float64)
@@ -112,30 +127,32 @@ def _autograd_backward(ctx, grad):
         g = _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     else:
         g = _embedding_backward_op(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return g, None, None, None, None
+    return g, None, None, None, None, None
 
 
 _embedding_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name):
+def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name, fresh=True):
     """Check torch-style arguments (and apply max_norm): returns (1-D ids, keep-mask or None,
-    padding_idx); under bounds_check="skip" out-of-range ids become 0 and keep marks the rest."""
+    padding_idx, check); under bounds_check="skip" out-of-range ids become 0 and keep marks the
+    rest; `check` is the deferred Check (ops/validate.py) or None."""
     check_weight(weight)
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
-    if input.device != weight.device:
-        raise ValueError(f"{name} is on {input.device} but weight is on {weight.device}")
+    check_device(name, input, weight)
     num_embeddings = weight.shape[0]
     padding_idx = padding_index(padding_idx, num_embeddings)
-    keep = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check)
+    if max_norm is not None and bounds_check == "deferred":
+        bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
+    keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh)
     flat = input.reshape(-1).contiguous()
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, 0)
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight, flat, max_norm, norm_type)
-    return flat, keep, padding_idx
+    return flat, keep, padding_idx, check
 
 
 def embedding(
@@ -147,22 +164,29 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool | str = False,
     *,
-    bounds_check: str = "raise",
+    bounds_check: str = DEFAULT_BOUNDS_CHECK,
     name: str = "input",
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding`.
 
     sparse: False, True (torch's sparse COO gradient, one entry per id) or "rowwise" (one
     entry per distinct row: a coalesced sparse COO tensor, as in `embfuse.embedding_bag`).
-    bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" gives a
-    zero row (and no gradient) for each out-of-range id, with a warning; "off" checks nothing.
+    bounds_check: as in `embfuse.embedding_bag` ("deferred", "sync", "skip" or "off"); "skip"
+    gives a zero row (and no gradient) for each out-of-range id, with a warning.
     """
     sparse = sparse_layout(sparse)
-    flat, keep, padding_idx = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
-    if needs_op(weight):
-        out = _embedding_op(weight, flat, padding_idx, scale_grad_by_freq, sparse)
-    else:
-        out = _forward_impl(weight, flat)
-    if keep is not None:
-        out = out * keep.reshape(-1, 1)
+    grad = needs_op(weight)
+    flat, keep, padding_idx, check = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check,
+                                                 name, fresh=grad)
+    out = lookup_rows(weight, flat, None if check is None else check.status, padding_idx, scale_grad_by_freq, sparse)
+    if keep is not None:  # (a where, not a product: skipped rows are +0.0, not -0.0 times a row)
+        out = torch.where(keep.reshape(-1, 1), out, 0)
     return out.view(*input.shape, weight.shape[1])
+
+
+def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=False, sparse=0):
+    """The lookup of checked 1-D ids (status: their deferred check's, or None): through the
+    registered op when autograd or tracing needs it, else straight to the kernel."""
+    if needs_op(weight):
+        return _embedding_op(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
+    return _forward_impl(weight, flat, status)

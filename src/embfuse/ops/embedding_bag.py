@@ -18,8 +18,8 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
-from embfuse.ops._validate import (COO, ROWWISE, check_bounds_mode, check_index_dtype, check_weight, padding_index,
-                                   sparse_layout, validate_bags)
+from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
+                                  check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
 
 SUM, MEAN, MAX = 0, 1, 2
 MODES = {"sum": SUM, "mean": MEAN, "max": MAX}
@@ -129,8 +129,8 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
 
 @triton.jit
 def _embedding_bag_fwd_kernel(
-    weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
-    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
+    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
 ):
     bag = tl.program_id(0).to(tl.int64)
@@ -138,6 +138,8 @@ def _embedding_bag_fwd_kernel(
     cmask = cols < D
     start = tl.load(offsets + bag).to(tl.int64)
     end = tl.load(offsets + bag + 1).to(tl.int64)
+    if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
+        end = tl.where(tl.load(status) == 0, end, start)
     result, best = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
                             MODE, HAS_PSW, HAS_PADDING, BLOCK_L, BLOCK_D, EVICT)
     if MODE == 2:
@@ -165,7 +167,7 @@ def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
 
 
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
-                          with_max_ids=True):
+                          with_max_ids=True, status=None):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
     with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
     (None instead), one allocation less on the host path of a small call."""
@@ -183,9 +185,10 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     cfg = _config(D, avg, config) if config or tracing() else _config_cached(D, avg)
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
-        per_sample_weights if per_sample_weights is not None else weight,
+        per_sample_weights if per_sample_weights is not None else weight, status if status is not None else offsets,
         out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, **cfg,
+        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, STATUS=status is not None,
+        **cfg,
     )
     return out, max_ids
 
@@ -201,12 +204,19 @@ def backward_inputs_reference(indices, offsets, per_sample_weights, mode, paddin
 
 
 @triton.jit
-def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B, padding_idx,
+def _backward_inputs_kernel(indices, offsets, psw, status, ids, bag_out, scale_out, n, B, padding_idx,
                             HAS_PADDING: tl.constexpr, MEAN: tl.constexpr, HAS_PSW: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            STATUS: tl.constexpr, BLOCK: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)  # one bag
     start = tl.load(offsets + g).to(tl.int64)
     end = tl.load(offsets + g + 1).to(tl.int64)
+    stop = tl.where(g == B - 1, n, end)  # positions after the last bag belong to none
+    if STATUS:  # a bad batch: every position gets row -1, the bags splitting [0, n) evenly
+        bad = tl.load(status) != 0
+        chunk = (n + B - 1) // B
+        start = tl.where(bad, tl.minimum(g * chunk, n), start)
+        stop = tl.where(bad, tl.minimum(start + chunk, n), stop)
+        end = tl.where(bad, start, end)
     scale = 1.0
     if MEAN:  # over the pooled (non-padding) positions
         count = end - start
@@ -217,7 +227,6 @@ def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B
                 count += tl.sum(((p < end) & (tl.load(indices + p, mask=p < end, other=0) != padding_idx))
                                 .to(tl.int64), axis=0)
         scale = tl.math.div_rn(1.0, tl.maximum(count, 1).to(tl.float32))  # IEEE, as torch divides
-    stop = tl.where(g == B - 1, n, end)  # positions after the last bag belong to none
     for i in range(start, stop, BLOCK):
         p = i + tl.arange(0, BLOCK)
         m = p < stop
@@ -233,13 +242,17 @@ def _backward_inputs_kernel(indices, offsets, psw, ids, bag_out, scale_out, n, B
             tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
 
 
-def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None, num_weights=None):
+def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None, num_weights=None,
+                    status=None):
     """`backward_inputs_reference` in one launch (a program a bag) instead of about ten torch
     ops; bags int32 while they fit, ids int32 for tables of fewer than 2^31 rows (`num_weights`;
     the sort keys' type, so the segment reduction converts nothing), else the indices' dtype.
     `kernel`: force the kernel (True, as the kernel backward does, interpreted on the CPU in
-    tests) or the torch ops; None: by device."""
+    tests) or the torch ops; None: by device. `status`: the batch's deferred check (a bad
+    batch gives every position row -1)."""
     if not (use_kernels(indices) if kernel is None else kernel):
+        if status is not None:
+            indices, offsets = guard(indices, status, -1), guard(offsets, status, 0)
         return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
     n, B = indices.numel(), offsets.numel() - 1
     dev = indices.device
@@ -250,16 +263,17 @@ def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, ker
     scale = torch.empty(n if scaled else 0, dtype=torch.float32, device=dev)
     if n and B:
         launch(_backward_inputs_kernel)[(B,)](
-            indices, offsets, per_sample_weights if per_sample_weights is not None else scale, ids, bag, scale, n,
-            B, padding_idx, HAS_PADDING=padding_idx >= 0, MEAN=mode == MEAN,
-            HAS_PSW=per_sample_weights is not None, BLOCK=64)
+            indices, offsets, per_sample_weights if per_sample_weights is not None else scale,
+            status if status is not None else offsets, ids, bag, scale, n, B, padding_idx,
+            HAS_PADDING=padding_idx >= 0, MEAN=mode == MEAN, HAS_PSW=per_sample_weights is not None,
+            STATUS=status is not None, BLOCK=64)
     return ids, bag, scale if scaled else None
 
 
 def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
-              scale_grad_by_freq, reduce, inputs=backward_inputs_reference):
+              scale_grad_by_freq, reduce, inputs):
     D = grad.shape[1]
-    if mode == MAX:
+    if mode == MAX:  # (max_ids are -1 for every bag of a batch its check found bad)
         # each (bag, column) sends its gradient to one (row, column): reduce over the flat table
         flat = torch.where(max_ids >= 0, max_ids * D + torch.arange(D, device=grad.device), -1)
         g = reduce(flat.reshape(-1), grad.reshape(-1, 1), None, None, num_weights * D, -1, False, grad.dtype)
@@ -271,36 +285,39 @@ def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, 
 
 
 def embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode,
-                                     padding_idx, scale_grad_by_freq):
+                                     padding_idx, scale_grad_by_freq, status=None):
     return _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
-                     scale_grad_by_freq, segment_grad_reference)
+                     scale_grad_by_freq, segment_grad_reference,
+                     functools.partial(backward_inputs, kernel=False, status=status))
 
 
 def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
-                           scale_grad_by_freq):
+                           scale_grad_by_freq, status=None):
     """Dense weight gradient through the deterministic Triton segment reduction."""
     return _backward(grad.contiguous(), indices, offsets, per_sample_weights, max_ids, num_weights, mode,
                      padding_idx, scale_grad_by_freq, segment_grad,
-                     functools.partial(backward_inputs, kernel=True, num_weights=num_weights))
+                     functools.partial(backward_inputs, kernel=True, num_weights=num_weights, status=status))
 
 
-def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True):
+def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None):
     if use_kernels(weight) and weight.dtype != torch.float64:
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                     with_max_ids=with_max_ids)
+                                     with_max_ids=with_max_ids, status=status)
+    if status is not None:  # torch ops would fault on a bad id: a bad batch pools nothing
+        indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
 @kernel_op("embfuse::embedding_bag", mutates_args=())
 def _embedding_bag_op(
-    weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], mode: int,
-    padding_idx: int, scale_grad_by_freq: bool, sparse: int,
+    weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], status: Optional[Tensor],
+    mode: int, padding_idx: int, scale_grad_by_freq: bool, sparse: int,
 ) -> tuple[Tensor, Tensor]:
-    return _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx)
+    return _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, status=status)
 
 
 @_embedding_bag_op.register_fake
-def _(weight, indices, offsets, per_sample_weights, mode, padding_idx, scale_grad_by_freq, sparse):
+def _(weight, indices, offsets, per_sample_weights, status, mode, padding_idx, scale_grad_by_freq, sparse):
     B, D = offsets.shape[0] - 1, weight.shape[1]
     max_ids = weight.new_empty((B, D) if mode == MAX else (0,), dtype=torch.int64)
     return weight.new_empty(B, D), max_ids
@@ -308,27 +325,31 @@ def _(weight, indices, offsets, per_sample_weights, mode, padding_idx, scale_gra
 
 @kernel_op("embfuse::embedding_bag_backward", mutates_args=())
 def _embedding_bag_backward_op(
-    grad: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], max_ids: Tensor,
-    num_weights: int, mode: int, padding_idx: int, scale_grad_by_freq: bool,
+    grad: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], status: Optional[Tensor],
+    max_ids: Tensor, num_weights: int, mode: int, padding_idx: int, scale_grad_by_freq: bool,
 ) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         return embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode,
-                                      padding_idx, scale_grad_by_freq)
+                                      padding_idx, scale_grad_by_freq, status)
     return embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights, max_ids, num_weights,
-                                            mode, padding_idx, scale_grad_by_freq)
+                                            mode, padding_idx, scale_grad_by_freq, status)
 
 
 @_embedding_bag_backward_op.register_fake
-def _(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx, scale_grad_by_freq):
+def _(grad, indices, offsets, per_sample_weights, status, max_ids, num_weights, mode, padding_idx,
+      scale_grad_by_freq):
     return grad.new_empty(num_weights, grad.shape[1])
 
 
-def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq):
+def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq,
+                 status=None):
     """torch's sparse=True gradient: one COO entry per pooled position (uncoalesced), no sync."""
     D = grad.shape[1]
     if offsets.numel() == 1:
-        return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D), check_invariants=False)
-    ids, bag, scale = backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
+        return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D),
+                                       check_invariants=False)
+    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=False,
+                                      status=status)
     keep = ids >= 0
     values = grad[bag] * keep[:, None]
     if scale is not None:
@@ -340,19 +361,22 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     return torch.sparse_coo_tensor(ids[None], values, (num_weights, D), check_invariants=False)
 
 
-def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq):
+def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq,
+                  status=None):
     """sparse="rowwise": one coalesced COO entry per distinct row, summed deterministically."""
     kernel = use_kernels(grad) and grad.dtype != torch.float64
     if offsets.numel() == 1:  # no bags: no position names a row
         return rowwise_sparse_grad(indices.new_empty(0).long(), grad[:0], None, None, num_weights, padding_idx,
                                    False, False)
     ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel,
-                                      num_weights=num_weights)
+                                      num_weights=num_weights, status=status)
     return rowwise_sparse_grad(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, kernel)
 
 
-def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):
+def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status=None):
     """d out[b] / d w[p] = weight[ids[p]]: one dot product per pooled position."""
+    if status is not None:  # a bad batch: no position is pooled
+        indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     B = offsets.numel() - 1
     keep, bag = _pooled(indices, offsets, padding_idx)
     acc = torch.promote_types(grad.dtype, torch.float32)
@@ -361,28 +385,28 @@ def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx):
 
 
 def _setup_context(ctx, inputs, output):
-    weight, indices, offsets, psw, mode, padding_idx, scale_grad_by_freq, sparse = inputs
-    ctx.save_for_backward(weight, indices, offsets, psw, output[1])
+    weight, indices, offsets, psw, status, mode, padding_idx, scale_grad_by_freq, sparse = inputs
+    ctx.save_for_backward(weight, indices, offsets, psw, status, output[1])
     ctx.args = (weight.shape[0], mode, padding_idx, scale_grad_by_freq, sparse)
 
 
 def _autograd_backward(ctx, grad, _grad_max_ids):
-    weight, indices, offsets, psw, max_ids = ctx.saved_tensors
+    weight, indices, offsets, psw, status, max_ids = ctx.saved_tensors
     num_weights, mode, padding_idx, scale_grad_by_freq, sparse = ctx.args
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
         if sparse == ROWWISE:
             grad_weight = _rowwise_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
-                                        scale_grad_by_freq)
+                                        scale_grad_by_freq, status)
         elif sparse == COO:
             grad_weight = _sparse_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
-                                       scale_grad_by_freq)
+                                       scale_grad_by_freq, status)
         else:
-            grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, max_ids, num_weights, mode,
+            grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, status, max_ids, num_weights, mode,
                                                      padding_idx, scale_grad_by_freq)
     if psw is not None and ctx.needs_input_grad[3]:
-        grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx)
-    return grad_weight, None, None, grad_psw, None, None, None, None
+        grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status)
+    return grad_weight, None, None, grad_psw, None, None, None, None, None
 
 
 _embedding_bag_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -432,16 +456,19 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
 
 
 def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name):
+                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True):
     """Check and canonicalise torch-style arguments (and apply max_norm): returns the
-    (indices, offsets, per_sample_weights, mode number, padding_idx) that the ops take."""
+    (indices, offsets, per_sample_weights, mode number, padding_idx, check) that the ops take;
+    `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its status must
+    outlive later calls (an autograd backward will read it)."""
     check_weight(weight)
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
     if mode not in MODES:
         raise ValueError(f"mode has to be one of 'sum', 'mean' or 'max', got {mode!r}")
-    if input.device != weight.device:
-        raise ValueError(f"{name} is on {input.device} but weight is on {weight.device}")
+    check_device(name, input, weight)
+    check_device("offsets", offsets, weight)
+    check_device("per_sample_weights", per_sample_weights, weight)
     if per_sample_weights is not None:
         if mode != "sum":
             raise ValueError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
@@ -459,14 +486,17 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     num_embeddings = weight.shape[0]
     padding_idx = padding_index(padding_idx, num_embeddings)
     shape = input.shape
+    given = None if offsets is None else offsets.numel()
     indices, offsets, per_sample_weights = _canonical(input, offsets, per_sample_weights, include_last_offset)
-    indices, offsets, per_sample_weights = validate_bags(
-        indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check
-    )
+    if max_norm is not None and bounds_check == "deferred":
+        bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
+    indices, offsets, per_sample_weights, check = validate_bags(
+        indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check,
+        given_offsets=given, fresh=fresh)
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight, indices, max_norm, norm_type)
-    return indices, offsets, per_sample_weights, MODES[mode], padding_idx
+    return indices, offsets, per_sample_weights, MODES[mode], padding_idx, check
 
 
 def embedding_bag(
@@ -482,7 +512,7 @@ def embedding_bag(
     include_last_offset: bool = False,
     padding_idx: Optional[int] = None,
     *,
-    bounds_check: str = "raise",
+    bounds_check: str = DEFAULT_BOUNDS_CHECK,
     name: str = "input",
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding_bag`.
@@ -491,18 +521,23 @@ def embedding_bag(
     (one entry per distinct row, summed deterministically: a sparse COO tensor whose
     `_indices()[0]` are the touched rows, ascending, and `_values()` their gradient rows; it
     leaves the backward coalesced, but autograd drops that flag when it stores `.grad`).
-    bounds_check: "raise" (default) raises IndexError naming the first bad id; "skip" drops
-    out-of-range ids from their bags with a warning (FBGEMM's WARNING mode); "off" checks
-    nothing and needs no device-to-host read (for CUDA graphs; ids must then be valid).
-    `name` is how errors call the input (a feature name, say).
+    bounds_check: "deferred" (default: checked on the device without stopping the host; a bad
+    batch pools nothing and its IndexError / ValueError comes from a later embfuse call or
+    `embfuse.check_errors()`), "sync" (raises at this call; reads the device back), "skip"
+    (drops out-of-range ids from their bags with a warning, FBGEMM's WARNING mode) or "off"
+    (checks nothing: ids must be valid). See ops/validate.py. `name` is how errors call the
+    input (a feature name, say).
     """
     sparse = sparse_layout(sparse)
-    indices, offsets, per_sample_weights, mode, padding_idx = prepare_bags(
+    grad = needs_op(weight, per_sample_weights)
+    indices, offsets, per_sample_weights, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name)
-    if needs_op(weight, per_sample_weights):
-        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, mode, padding_idx,
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad)
+    status = None if check is None else check.status
+    if grad:
+        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
-        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False)
+        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
+                               status=status)
     return out

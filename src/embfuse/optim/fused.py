@@ -14,6 +14,7 @@ from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
 from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
 from embfuse.ops.embedding_bag import MEAN
+from embfuse.ops.validate import known_good
 from embfuse.optim.rules import stochastic_round_reference
 
 
@@ -202,18 +203,23 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
     return None
 
 
-def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None):
+def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
+                      status=None):
     """A fused update of a table collection's flat `weights` (and flat `state`) from the
-    gradient of its pooled output: one sort and one launch a level for every table."""
+    gradient of its pooled output: one sort and one launch a level for every table. `status`:
+    the batch's deferred check (ops/validate.py); a bad batch updates nothing."""
     if kernel is None:
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
-        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, plan.layout.wide_keys, plan.mean)
+        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, plan.layout.wide_keys, plan.mean,
+                                           status)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
         return
     # reference: per table, the gradient rows of all its features, then one update
+    if not known_good(status):
+        return
     by_table = {}
     for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
         dim, col, pooling = m[DIM], m[OUT_COL], m[POOL]
