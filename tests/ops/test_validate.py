@@ -131,8 +131,8 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
 def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
-    """The flat check of a keyed batch (each value's feature by binary search) flags what the
-    torch-op check flags, on any lengths and ids, bad offsets included."""
+    """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
+    ids, bad offsets included."""
     import itertools
 
     from embfuse.ops.collection import Plan, _collection_flags_reference, validate_collection
