@@ -21,8 +21,8 @@ from torch import Tensor
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import Layout, reduce_segments, table_starts
 from embfuse.ops.validate import (BAD_ID, BAD_OFFSETS, DEFAULT_BOUNDS_CHECK, BadBatchError, BadIdError,
-                                  TracedCheck, _traced_mode, check_bounds_mode, check_index_dtype,
-                                  launch_bags_check, run_check)
+                                  TracedCheck, check_bounds_mode, check_index_dtype,
+                                  launch_bags_check, run_check, traced_mode)
 from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_bag
 
 POOLING = {"sum": SUM, "mean": MEAN}
@@ -377,14 +377,20 @@ def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids):
     if skip_ids or n == 0:
         return
     bag = bag_of_value(offsets, n)
-    bad = ((values < 0) | (values >= limits[bag // B])).nonzero()
-    if bad.numel():
-        p = int(bad[0])
-        g = int(bag[p])
-        f = g // B
-        rows = int(limits[f])
-        raise BadIdError(f"feature {keys[f]!r}: values[{p}] = {int(values[p])} (sample {g % B}) is out of range for "
-                         f"table {tables[f]!r} of {rows} rows (valid ids are 0..{rows - 1})")
+    bad = (values < 0) | (values >= limits[bag // B])
+    if bool(bad.any()):
+        raise BadIdError(_bad_value_message(values, bag, bad, limits, B, keys, tables))
+
+
+def _bad_value_message(values, bag, bad, limits, B, keys, tables) -> str:
+    """The first out-of-range value of a keyed batch (`bad`: the mask of them), by feature,
+    table, position and sample."""
+    p = int(bad.nonzero()[0])
+    g = int(bag[p])
+    f = g // B
+    rows = int(limits[f])
+    return (f"feature {keys[f]!r}: values[{p}] = {int(values[p])} (sample {g % B}) is out of range for table "
+            f"{tables[f]!r} of {rows} rows (valid ids are 0..{rows - 1})")
 
 
 def _collection_flags_reference(values, offsets, limits, B) -> int:
@@ -430,17 +436,15 @@ def validate_collection(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     B = max(B, 1)
     if tracing():
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, plan.limits, B, "\n".join(keys),
-                                                                "\n".join(tables), _traced_mode(bounds_check)))
+                                                                "\n".join(tables), traced_mode(bounds_check)))
 
     check, flags = _run_collection_check(values, offsets, plan.limits, B, keys, tables, bounds_check, fresh, kernel)
     if not flags:
         return values, offsets, psw, check
     bag = bag_of_value(offsets, n)
     bad = (values < 0) | (values >= plan.limits[bag // B])
-    try:
-        _raise_collection(values, offsets, plan.limits, B, keys, tables, False)
-    except BadIdError as e:
-        warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {e}", stacklevel=3)
+    first = _bad_value_message(values, bag, bad, plan.limits, B, keys, tables)
+    warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {first}", stacklevel=3)
     keep = ~bad
     kept = torch.bincount(bag[keep], minlength=FB).to(offsets.dtype)
     offsets = torch.cat([offsets[:1], kept.cumsum(0).to(offsets.dtype)])

@@ -416,7 +416,7 @@ class TracedCheck:
         self.status = status
 
 
-def _traced_mode(bounds_check: str) -> str:
+def traced_mode(bounds_check: str) -> str:
     return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
 
 
@@ -450,7 +450,7 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
     shape = indices.shape if shape is None else shape
     if tracing():
         status = _check_ids_op(indices, offsets, num_embeddings, list(shape), name,
-                               -1 if given_offsets is None else given_offsets, _traced_mode(bounds_check))
+                               -1 if given_offsets is None else given_offsets, traced_mode(bounds_check))
         return indices, offsets, per_sample_weights, TracedCheck(status)
     if kernel is None:
         kernel = use_kernels(indices)
@@ -480,7 +480,7 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
         return None, None
     flat = indices.reshape(-1)
     if tracing():
-        status = _check_ids_op(flat, None, num_embeddings, list(indices.shape), name, -1, _traced_mode(bounds_check))
+        status = _check_ids_op(flat, None, num_embeddings, list(indices.shape), name, -1, traced_mode(bounds_check))
         return None, TracedCheck(status)
     if kernel is None:
         kernel = use_kernels(flat)
