@@ -281,3 +281,44 @@ def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted, num_w
     assert (got[2] is None) == (want[2] is None)
     if want[2] is not None:
         assert torch.equal(got[2][keep], want[2].float()[keep])
+
+
+NAN_BAGS = [[0, 1, 2], [1, 0, 2], [1], [3, 0], [0, 3], [3], [4, 1], [1, 4], [2, 2], [3, 3], [5, 1, 2], [5, 5]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_nan_and_inf_rows_match_torch(device, mode):
+    """NaN and +-inf in the table give torch's outputs and gradients in every mode: in max mode
+    the bag's first pooled value stays if NaN, a later NaN is passed over, -inf is a value
+    (padding_idx 5 is not pooled)."""
+    nan, inf = float("nan"), float("inf")
+    w = torch.tensor([[1.0, 2], [nan, 5], [3, 4], [-inf, nan], [inf, -1], [7, 7]], device=device)
+    for ids in NAN_BAGS:
+        i, off = torch.tensor(ids, device=device), torch.tensor([0], device=device)
+        ours_w, theirs_w = w.clone().requires_grad_(), w.clone().requires_grad_()
+        ours = embfuse.embedding_bag(i, ours_w, off, mode=mode, padding_idx=5)
+        theirs = F.embedding_bag(i.cpu(), theirs_w.cpu(), off.cpu(), mode=mode, padding_idx=5)
+        assert torch.equal(ours.cpu().nan_to_num(123.0), theirs.nan_to_num(123.0)), (ids, ours, theirs)
+        if mode == "max":
+            g = torch.randn_like(ours)
+            (gw,) = torch.autograd.grad(ours, ours_w, g)
+            (gt,) = torch.autograd.grad(theirs, theirs_w, g.cpu())
+            assert torch.equal(gw.cpu(), gt), ids
+
+
+@requires_kernels
+def test_max_kernel_keeps_torchs_nan_and_inf_rule():
+    """The kernel's max pooling (interpreted on the CPU) against the reference on NAN_BAGS,
+    with several bags per launch and ties across lanes."""
+    from embfuse.ops.embedding_bag import MAX, embedding_bag_forward, embedding_bag_reference
+
+    nan, inf = float("nan"), float("inf")
+    w = torch.tensor([[1.0, 2], [nan, 5], [3, 4], [-inf, nan], [inf, -1], [7, 7]], device=KERNEL_DEVICE)
+    ids = torch.tensor([i for bag in NAN_BAGS for i in bag], device=KERNEL_DEVICE)
+    lengths = torch.tensor([0] + [len(b) for b in NAN_BAGS])
+    offsets = torch.cumsum(lengths, 0).to(KERNEL_DEVICE)
+    out, max_ids = embedding_bag_forward(w, ids, offsets, None, MAX, 5)
+    ref, ref_ids = embedding_bag_reference(w, ids, offsets, None, MAX, 5)
+    assert torch.equal(out.nan_to_num(123.0), ref.nan_to_num(123.0))
+    assert torch.equal(max_ids, ref_ids)

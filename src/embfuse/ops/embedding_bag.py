@@ -48,6 +48,29 @@ def _bag_sizes(keep: Tensor, offsets: Tensor) -> Tensor:
     return before[off[1:]] - before[off[:-1]]
 
 
+def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
+    """Max pooling as torch does it, per column: the bag's first pooled value, replaced by each
+    later value strictly greater (so a NaN first value stays, a later NaN is passed over, and
+    -inf is a value like any other); ties keep the earliest. (output, the id that gave it or -1)."""
+    n, dev = indices.numel(), rows.device
+    ids = torch.cat([indices.long(), indices.new_full((1,), -1).long()])
+    if n == 0:
+        return torch.zeros(B, D, dtype=out_dtype, device=dev), ids.new_full((B, D), -1)
+    number = keep[:, None] & ~torch.isnan(rows)
+    top = torch.full((B, D), float("-inf"), dtype=acc_dtype, device=dev).scatter_reduce_(
+        0, bag[:, None].expand(-1, D), torch.where(number, rows, float("-inf")), "amax")
+    pos = torch.arange(n, device=dev)
+    at = torch.full((B, D), n, dtype=torch.long, device=dev).scatter_reduce_(
+        0, bag[:, None].expand(-1, D), torch.where(number & (rows == top[bag]), pos[:, None], n), "amin")
+    # the bag's first pooled position: a NaN there is the result
+    first = torch.full((B,), n, dtype=torch.long, device=dev).scatter_reduce_(
+        0, bag, torch.where(keep, pos, n), "amin")
+    nan_first = (first < n)[:, None] & torch.isnan(rows[first.clamp(max=n - 1)])
+    at = torch.where(nan_first, first[:, None], at)
+    out = torch.where(nan_first, float("nan"), torch.where(at == n, 0, top))
+    return out.to(out_dtype), ids[at]
+
+
 def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx):
     """Pure torch on any device: (output, max_ids). max_ids[b, d] is the id whose row gave the
     max (first one on ties, -1 for an empty bag) in max mode, else an empty tensor."""
@@ -59,17 +82,7 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
         rows = rows * per_sample_weights.to(acc_dtype)[:, None]
     out = torch.zeros(B, D, dtype=acc_dtype, device=weight.device)
     if mode == MAX:
-        rows = torch.where(keep[:, None], rows, float("-inf"))
-        out = out.fill_(float("-inf")).scatter_reduce_(0, bag[:, None].expand(-1, D), rows, "amax")
-        n = indices.numel()
-        is_max = keep[:, None] & (rows == out[bag])
-        pos = torch.arange(n, device=weight.device)[:, None].expand(-1, D)
-        first = torch.full((B, D), n, dtype=torch.long, device=weight.device).scatter_reduce_(
-            0, bag[:, None].expand(-1, D), torch.where(is_max, pos, n), "amin"
-        )
-        empty = first == n
-        ids = torch.cat([indices.long(), indices.new_full((1,), -1).long()])
-        return torch.where(empty, 0, out).to(weight.dtype), ids[first]
+        return _max_reference(rows, keep, bag, indices, B, D, out.dtype, weight.dtype)
     out.index_add_(0, bag, rows * keep[:, None])
     if mode == MEAN:
         out /= _bag_sizes(keep, offsets).clamp(min=1)[:, None]
@@ -88,6 +101,10 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         acc = tl.full([BLOCK_L, BLOCK_D], float("-inf"), dtype=tl.float32)
         best_pos = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
         best_id = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
+        # each lane's first pooled value (NaN included): torch keeps a NaN that comes first
+        first_pos = tl.full([BLOCK_L], 9223372036854775807, dtype=tl.int64)
+        first_val = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+        first_id = tl.full([BLOCK_L], -1, dtype=tl.int64)
     else:
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     count = tl.zeros([BLOCK_L], dtype=tl.int32)
@@ -104,8 +121,13 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         if HAS_PSW:
             rows = rows * tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)[:, None]
         if MODE == 2:
-            # strict: a later equal value never replaces an earlier one (torch keeps the first)
-            better = m2 & (rows > acc)
+            # strict: a later equal value never replaces an earlier one (torch keeps the first);
+            # NaN is passed over here, and the lane's first number is taken even if -inf
+            better = m2 & (rows == rows) & ((rows > acc) | (best_pos < 0))
+            new = lmask & (first_pos == 9223372036854775807)
+            first_pos = tl.where(new, pos, first_pos)
+            first_id = tl.where(new, ids, first_id)
+            first_val = tl.where(new[:, None], rows, first_val)
             acc = tl.where(better, rows, acc)
             best_pos = tl.where(better, pos[:, None], best_pos)
             best_id = tl.where(better, ids[:, None], best_id)
@@ -119,6 +141,13 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         first = tl.min(tl.where((acc == top[None, :]) & (best_pos >= 0), best_pos, 9223372036854775807), axis=0)
         best = tl.max(tl.where(best_pos == first[None, :], best_id, -1), axis=0)
         result = tl.where(best >= 0, top, 0.0)
+        # the bag's first pooled value, if NaN, is the result (and gets the gradient)
+        p0 = tl.min(first_pos, axis=0)
+        at0 = (first_pos == p0)[:, None]
+        v0 = tl.sum(tl.where(at0, first_val, 0.0), axis=0)
+        nan0 = v0 != v0
+        result = tl.where(nan0, v0, result)
+        best = tl.where(nan0, tl.max(tl.where(first_pos == p0, first_id, -1), axis=0), best)
     else:
         best = tl.zeros([BLOCK_D], dtype=tl.int64)
         result = tl.sum(acc, axis=0)
