@@ -48,6 +48,11 @@ def _bag_sizes(keep: Tensor, offsets: Tensor) -> Tensor:
     return before[off[1:]] - before[off[:-1]]
 
 
+def accumulation(t: Tensor) -> torch.dtype:
+    """The dtype sums over `t` are taken in: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
     """Max pooling as torch does it, per column: the bag's first pooled value, replaced by each
     later value strictly greater (so a NaN first value stays, a later NaN is passed over, and
@@ -222,13 +227,14 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     return out, max_ids
 
 
-def backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx):
-    """Per-position (row id or -1, source bag row, scale or None) for the segment reduction."""
+def backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx, dtype=torch.float32):
+    """Per-position (row id or -1, source bag row, scale or None) for the segment reduction;
+    the mean scale 1 / count in `dtype`, the accumulation dtype (float64 for float64 tables)."""
     keep, bag = _pooled(indices, offsets, padding_idx)
     ids = torch.where(keep, indices.long(), -1)
     scale = per_sample_weights
     if mode == MEAN:
-        scale = 1.0 / _bag_sizes(keep, offsets).clamp(min=1).to(torch.float32)[bag]
+        scale = 1.0 / _bag_sizes(keep, offsets).clamp(min=1).to(dtype)[bag]
     return ids, bag, scale
 
 
@@ -272,17 +278,18 @@ def _backward_inputs_kernel(indices, offsets, psw, status, ids, bag_out, scale_o
 
 
 def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None, num_weights=None,
-                    status=None):
+                    status=None, dtype=torch.float32):
     """`backward_inputs_reference` in one launch (a program a bag) instead of about ten torch
     ops; bags int32 while they fit, ids int32 for tables of fewer than 2^31 rows (`num_weights`;
     the sort keys' type, so the segment reduction converts nothing), else the indices' dtype.
     `kernel`: force the kernel (True, as the kernel backward does, interpreted on the CPU in
     tests) or the torch ops; None: by device. `status`: the batch's deferred check (a bad
-    batch gives every position row -1)."""
-    if not (use_kernels(indices) if kernel is None else kernel):
+    batch gives every position row -1). `dtype`: the scales' (float64 for float64 tables,
+    which take the torch ops; the kernel's are float32)."""
+    if not (use_kernels(indices) and dtype != torch.float64 if kernel is None else kernel):
         if status is not None:
             indices, offsets = guard(indices, status, -1), guard(offsets, status, 0)
-        return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx)
+        return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx, dtype)
     n, B = indices.numel(), offsets.numel() - 1
     dev = indices.device
     narrow = num_weights is not None and num_weights < 2**31
@@ -309,7 +316,7 @@ def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, 
         return g.view(num_weights, D)
     if offsets.numel() == 1:
         return torch.zeros(num_weights, D, dtype=grad.dtype, device=grad.device)
-    ids, bag, scale = inputs(indices, offsets, per_sample_weights, mode, padding_idx)
+    ids, bag, scale = inputs(indices, offsets, per_sample_weights, mode, padding_idx, dtype=accumulation(grad))
     return reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
 
 
@@ -378,7 +385,7 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
         return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D),
                                        check_invariants=False)
     ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=False,
-                                      status=status)
+                                      status=status, dtype=accumulation(grad))
     keep = ids >= 0
     values = grad[bag] * keep[:, None]
     if scale is not None:
@@ -398,7 +405,7 @@ def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode,
         return rowwise_sparse_grad(indices.new_empty(0).long(), grad[:0], None, None, num_weights, padding_idx,
                                    False, False)
     ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel,
-                                      num_weights=num_weights, status=status)
+                                      num_weights=num_weights, status=status, dtype=accumulation(grad))
     return rowwise_sparse_grad(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, kernel)
 
 

@@ -13,7 +13,7 @@ import torch
 from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
 from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
-from embfuse.ops.embedding_bag import MEAN
+from embfuse.ops.embedding_bag import MEAN, accumulation
 from embfuse.ops.validate import known_good
 from embfuse.optim.rules import stochastic_round_reference
 
@@ -220,16 +220,17 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     # reference: per table, the gradient rows of all its features, then one update
     if not known_good(status):
         return
+    acc = accumulation(weights)
     by_table = {}
     for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
         dim, col, pooling = m[DIM], m[OUT_COL], m[POOL]
         lengths = o[1:] - o[:-1]
         bag = torch.repeat_interleave(torch.arange(B, device=grad.device), lengths, output_size=vs.stop - vs.start)
-        rows = grad[bag, col:col + dim].float()
+        rows = grad[bag, col:col + dim].to(acc)
         if psw is not None:
-            rows = rows * psw[vs].float()[:, None]
+            rows = rows * psw[vs].to(acc)[:, None]
         if pooling == MEAN:
-            rows = rows / lengths.clamp(min=1)[bag].float()[:, None]
+            rows = rows / lengths.clamp(min=1)[bag].to(acc)[:, None]
         by_table.setdefault(t, []).append((values[vs].long(), rows))
     for t, parts in by_table.items():
         rows, dim, elem, row = plan.tables[t]

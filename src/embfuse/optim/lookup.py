@@ -14,7 +14,7 @@ import torch
 from embfuse._triton import use_kernels
 from embfuse.ops.embedding import _forward_impl as _gather
 from embfuse.ops.embedding import guarded_ids, prepare_ids
-from embfuse.ops.embedding_bag import backward_inputs, per_sample_weights_grad, prepare_bags
+from embfuse.ops.embedding_bag import accumulation, backward_inputs, per_sample_weights_grad, prepare_bags
 from embfuse.ops.embedding_bag import _forward_impl as _pool
 from embfuse.ops.collection import _forward_impl as _pool_collection
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, known_good
@@ -69,7 +69,8 @@ class _FusedBag(torch.autograd.Function):
         fused = ctx.fused
         if fused.begin_step(ctx.check) and offsets.numel() > 1:
             ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
-                                              num_weights=ctx.weight.shape[0], status=status)
+                                              num_weights=ctx.weight.shape[0], status=status,
+                                              dtype=accumulation(ctx.weight))
             apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
                                 fused.step, ctx.padding_idx)
         return None, None, None, None, grad_psw, None, None, None, None
