@@ -224,3 +224,45 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours(kernel, dtyp
     magnitude = moved[True].abs().double()
     assert bool(((magnitude == 1) | (magnitude == 1 + ulp)).all())
     assert abs((magnitude > 1).double().mean().item() - 0.25) < 0.03  # 4.4 sigma over 4096 weights
+
+
+@pytest.mark.parametrize("make,exc,msg", [
+    (lambda: SGD(lr=-1), ValueError, "SGD: lr must be >= 0, got -1"),
+    (lambda: SGD(lr=float("nan")), ValueError, "SGD: lr must be finite"),
+    (lambda: SGD(lr="0.1"), TypeError, "SGD: lr must be a number, got '0.1'"),
+    (lambda: Adagrad(eps=-1), ValueError, "Adagrad: eps must be >= 0"),
+    (lambda: Adagrad(lr_decay=-0.5), ValueError, "lr_decay must be >= 0"),
+    (lambda: RowWiseAdagrad(initial_accumulator_value=-1), ValueError, "initial_accumulator_value must be >= 0"),
+    (lambda: Adam(betas=(1.5, 0.9)), ValueError, r"Adam: betas\[0\] must be in \[0, 1\), got 1.5"),
+    (lambda: Adam(betas=(0.9,)), ValueError, "betas must be a pair"),
+    (lambda: Adam(weight_decay=float("inf")), ValueError, "weight_decay must be finite"),
+    (lambda: SGD(lr=0.1, stochastic_rounding="yes"), TypeError, "stochastic_rounding must be True or False"),
+])
+def test_bad_hyper_parameters_are_refused_at_construction(make, exc, msg):
+    with pytest.raises(exc, match=msg):
+        make()
+
+
+def test_a_step_counts_only_once_its_update_ran(monkeypatch):
+    """An update that raises leaves the step count as it was; a checkpoint with a negative or
+    fractional step count is refused by load_state_dict, naming the key."""
+    import embfuse.optim.lookup as lookup
+
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adam(lr=0.01))
+    m(torch.tensor([[1, 2]])).sum().backward()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("update failed")
+
+    monkeypatch.setattr(lookup, "apply_sparse_update", fail)
+    with pytest.raises(RuntimeError, match="update failed"):
+        m(torch.tensor([[1, 3]])).sum().backward()
+    monkeypatch.undo()
+    assert m._fused.step == 1
+    for k, v in before.items():
+        assert torch.equal(v, m.state_dict()[k]), k
+    for bad in (torch.tensor(-2), torch.tensor(1.5)):
+        with pytest.raises(RuntimeError, match="optimizer_step: the step count must be a non-negative integer"):
+            m.load_state_dict({**before, "optimizer_step": bad})
+    assert m._fused.step == 1

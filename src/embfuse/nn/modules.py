@@ -56,7 +56,11 @@ class _FusedMixin:
         key = prefix + "optimizer_step"
         if self._fused is not None:
             if key in state_dict:
-                self._fused.step = int(state_dict[key])
+                step = state_dict[key]
+                if torch.is_tensor(step) and (step.is_floating_point() or step.numel() != 1) or int(step) < 0:
+                    error_msgs.append(f"{key}: the step count must be a non-negative integer, got {step}")
+                else:
+                    self._fused.step = int(step)
             elif strict:
                 missing_keys.append(key)
         state_dict = {k: v for k, v in state_dict.items() if k != key or self._fused is None}

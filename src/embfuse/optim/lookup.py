@@ -9,6 +9,8 @@ weights and state stay bitwise unchanged, and the host undoes the step count whe
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from embfuse._triton import use_kernels
@@ -32,16 +34,23 @@ class FusedOptimizer:
         self.step = 0
         self.anchor = torch.ones((), requires_grad=True)
 
-    def begin_step(self, check) -> bool:
-        """Count a step for a backward whose batch had `check` (a deferred Check, or None).
-        False: the batch is already known bad, nothing is to be done. A step whose batch is
-        found bad later is taken back then (ops/validate.py calls the undo)."""
+    @contextlib.contextmanager
+    def stepping(self, check):
+        """The step number of one backward's update, whose batch had `check` (a deferred Check,
+        or None); None when the batch is already known bad (nothing to do). A step counts once
+        the update returns: an update that raises leaves the count as it was, and one whose
+        batch is found bad later is taken back then (ops/validate.py calls the undo)."""
         if check is not None and check.bad:
-            return False
+            yield None
+            return
         self.step += 1
+        try:
+            yield self.step
+        except BaseException:
+            self.step -= 1
+            raise
         if check is not None and check.bad is None:
             check.undo.append(self._undo_step)
-        return True
 
     def _undo_step(self):
         self.step -= 1
@@ -67,12 +76,13 @@ class _FusedBag(torch.autograd.Function):
         if psw is not None and ctx.needs_input_grad[4]:  # before the rows change
             grad_psw = per_sample_weights_grad(grad, ctx.weight, indices, offsets, psw, ctx.padding_idx, status)
         fused = ctx.fused
-        if fused.begin_step(ctx.check) and offsets.numel() > 1:
-            ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
-                                              num_weights=ctx.weight.shape[0], status=status,
-                                              dtype=accumulation(ctx.weight))
-            apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
-                                fused.step, ctx.padding_idx)
+        with fused.stepping(ctx.check) as step:
+            if step is not None and offsets.numel() > 1:
+                ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
+                                                  num_weights=ctx.weight.shape[0], status=status,
+                                                  dtype=accumulation(ctx.weight))
+                apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
+                                    step, ctx.padding_idx)
         return None, None, None, None, grad_psw, None, None, None, None
 
 
@@ -88,12 +98,13 @@ class _FusedEmbedding(torch.autograd.Function):
     def backward(ctx, grad):
         ids, keep = ctx.saved_tensors
         fused = ctx.fused
-        if fused.begin_step(ctx.check):
-            ids = guarded_ids(ids, _status(ctx.check))
-            if keep is not None:
-                ids = torch.where(keep.reshape(-1), ids, -1)
-            apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), None, None,
-                                fused.step, ctx.padding_idx)
+        with fused.stepping(ctx.check) as step:
+            if step is not None:
+                ids = guarded_ids(ids, _status(ctx.check))
+                if keep is not None:
+                    ids = torch.where(keep.reshape(-1), ids, -1)
+                apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), None, None,
+                                    step, ctx.padding_idx)
         return None, None, None, None, None, None, None
 
 
@@ -109,19 +120,20 @@ class _FusedCollection(torch.autograd.Function):
     def backward(ctx, grad):
         values, offsets, psw = ctx.saved_tensors
         fused, weights, hot, status = ctx.fused, ctx.weights, ctx.hot, _status(ctx.check)
-        if not fused.begin_step(ctx.check):
-            return (None,) * 10
-        # the hot-row path reads the host (see optim/hot.py): eager steps only, never while a
-        # CUDA graph is captured; it reads the check's status first (its passes index by id)
-        if (hot is not None and psw is None and values.numel() >= hot.min_values and use_kernels(weights)
-                and weights.dtype != torch.float64 and not torch.cuda.is_current_stream_capturing()):
-            if known_good(status):
-                hot.maybe_refresh(values, offsets, ctx.plan, ctx.B, fused.step)
-                hot_update(weights, list(fused.state.values()), fused.optimizer, values, offsets, ctx.plan, ctx.B,
-                           grad.contiguous(), fused.step, hot)
-        else:
-            collection_update(weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B, grad,
-                              fused.step, status=status)
+        with fused.stepping(ctx.check) as step:
+            if step is None:
+                pass
+            # the hot-row path reads the host (see optim/hot.py): eager steps only, never while a
+            # CUDA graph is captured; it reads the check's status first (its passes index by id)
+            elif (hot is not None and psw is None and values.numel() >= hot.min_values and use_kernels(weights)
+                    and weights.dtype != torch.float64 and not torch.cuda.is_current_stream_capturing()):
+                if known_good(status):
+                    hot.maybe_refresh(values, offsets, ctx.plan, ctx.B, step)
+                    hot_update(weights, list(fused.state.values()), fused.optimizer, values, offsets, ctx.plan,
+                               ctx.B, grad.contiguous(), step, hot)
+            else:
+                collection_update(weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B,
+                                  grad, step, status=status)
         return (None,) * 10
 
 

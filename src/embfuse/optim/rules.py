@@ -24,9 +24,38 @@ SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2, 3
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
 
+# hyper-parameters that must be finite and >= 0, as torch.optim requires of its own
+NON_NEGATIVE = ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value")
+
+
+def _number(rule: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{rule}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{rule}: {name} must be finite, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class _Rule:
     stochastic_rounding: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        """torch.optim's checks, at construction: numbers, finite, lr / eps / decays >= 0, each
+        beta in [0, 1)."""
+        rule = type(self).__name__
+        for name in NON_NEGATIVE:
+            if hasattr(self, name) and _number(rule, name, getattr(self, name)) < 0:
+                raise ValueError(f"{rule}: {name} must be >= 0, got {getattr(self, name)}")
+        betas = getattr(self, "betas", None)
+        if betas is not None:
+            if len(betas) != 2:
+                raise ValueError(f"{rule}: betas must be a pair, got {betas!r}")
+            for i, beta in enumerate(betas):
+                if not 0.0 <= _number(rule, f"betas[{i}]", beta) < 1.0:
+                    raise ValueError(f"{rule}: betas[{i}] must be in [0, 1), got {beta}")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"{rule}: stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
 
     def dropped_bits(self, dtype) -> int:
         """Bits to round away at random when storing to `dtype` (0: round to nearest)."""
