@@ -266,3 +266,18 @@ def test_a_step_counts_only_once_its_update_ran(monkeypatch):
         with pytest.raises(RuntimeError, match="optimizer_step: the step count must be a non-negative integer"):
             m.load_state_dict({**before, "optimizer_step": bad})
     assert m._fused.step == 1
+
+
+def test_dtype_conversions_leave_optimizer_state_float32():
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adam(lr=0.01))
+    m(torch.tensor([[1, 2]])).sum().backward()
+    state = m.optimizer_exp_avg.clone()
+    m.half()
+    assert m.weight.dtype == torch.float16
+    assert m.optimizer_exp_avg.dtype == torch.float32 and torch.equal(m.optimizer_exp_avg, state)
+    m.double()
+    assert m.weight.dtype == torch.float64 and m.optimizer_exp_avg_sq.dtype == torch.float32
+    ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["f"])],
+                                         optimizer=embfuse.optim.Adagrad(lr=0.1))
+    ebc.bfloat16()
+    assert ebc.weights.dtype == torch.bfloat16 and ebc.optimizer_sum.dtype == torch.float32

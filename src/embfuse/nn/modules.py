@@ -31,6 +31,19 @@ class _FusedMixin:
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = fused
 
+    def _apply(self, fn, recurse=True):
+        """module.to() / .cuda() move the optimizer state; .half() / .double() / .to(dtype)
+        leave it float32 (the state is fp32 whatever the table's dtype)."""
+        names = [f"optimizer_{k}" for k in self._fused.state] if self._fused is not None else []
+        state = {n: self._buffers.pop(n) for n in names}
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            for n, t in state.items():
+                moved = fn(t)
+                self._buffers[n] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        return result
+
     @property
     def optimizer(self):
         return self._fused.optimizer if self._fused is not None else None
