@@ -62,3 +62,25 @@ def test_modules_pass_bounds_check_through():
     assert_close(out, bag.weight[1:2], torch.float32)
     with pytest.raises(IndexError, match="out of range for a table of 5 rows"):
         embfuse.nn.Embedding(5, 2)(torch.tensor([5]))
+
+
+def test_options_a_fused_module_cannot_take_are_refused_at_construction():
+    import pytest
+
+    with pytest.raises(ValueError, match="mode='max'"):
+        embfuse.nn.EmbeddingBag(10, 4, mode="max", optimizer=embfuse.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="sparse=True"):
+        embfuse.nn.EmbeddingBag(10, 4, sparse=True, optimizer=embfuse.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="scale_grad_by_freq=True"):
+        embfuse.nn.Embedding(10, 4, scale_grad_by_freq=True, optimizer=embfuse.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="hot_rows is a path of the fused training step"):
+        embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["f"])], hot_rows=4)
+    with pytest.raises(TypeError, match="num_embeddings must be an int, got 2.5"):
+        embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(2.5, 4, "t", feature_names=["f"])])
+    with pytest.raises(TypeError, match="padding_idx must be an int or None, got True"):
+        embfuse.embedding_bag(torch.tensor([1]), torch.randn(10, 4), torch.tensor([0]), padding_idx=True)
+    w = torch.randn(10, 4)
+    with pytest.raises(TypeError, match="per_sample_weights must have the weight's dtype") as e:
+        embfuse.embedding_bag(torch.tensor([1, 2]), w, torch.tensor([0]), mode="sum",
+                              per_sample_weights=torch.rand(2, dtype=torch.float64))
+    assert isinstance(e.value, RuntimeError)

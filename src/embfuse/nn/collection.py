@@ -98,6 +98,9 @@ class _Collection(_FusedMixin, torch.nn.Module):
         if len(dtypes) > 1:
             raise TypeError(f"the tables of one collection share one buffer and one dtype; got {dtypes}")
         for t in tables:
+            for field in ("num_embeddings", "embedding_dim"):
+                if isinstance(getattr(t, field), bool) or not isinstance(getattr(t, field), int):
+                    raise TypeError(f"table {t.name!r}: {field} must be an int, got {getattr(t, field)!r}")
             if t.num_embeddings <= 0 or t.embedding_dim <= 0:
                 raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
         self.tables = list(tables)
@@ -215,6 +218,8 @@ class EmbeddingBagCollection(_Collection):
         super().__init__(tables, device, optimizer, bounds_check)
         self.is_weighted = is_weighted
         self._hot = None
+        if hot_rows and optimizer is None:
+            raise ValueError("hot_rows is a path of the fused training step: it needs optimizer=")
         if hot_rows:
             if is_weighted:
                 raise ValueError("hot_rows needs an unweighted collection: per-sample weights do not fold into "

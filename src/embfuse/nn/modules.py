@@ -26,6 +26,10 @@ class _FusedMixin:
 
     def set_optimizer(self, optimizer) -> None:
         """Update this table inside the backward with `optimizer` from now on (fresh state)."""
+        if getattr(self, "mode", "sum") == "max" or self.scale_grad_by_freq or self.sparse:
+            raise ValueError(f"a fused optimizer supports sum and mean pooling without scale_grad_by_freq or sparse; "
+                             f"this module has mode={getattr(self, 'mode', None)!r}, "
+                             f"scale_grad_by_freq={self.scale_grad_by_freq}, sparse={self.sparse}")
         fused = FusedOptimizer(optimizer, self.num_embeddings, self.embedding_dim, self.weight.device)
         for name, tensor in fused.state.items():
             self.register_buffer(f"optimizer_{name}", tensor)

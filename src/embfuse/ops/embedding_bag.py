@@ -18,7 +18,7 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
-from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
+from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, BadDtypeError, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
 
 SUM, MEAN, MAX = 0, 1, 2
@@ -509,7 +509,10 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
         if mode != "sum":
             raise ValueError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
         if not per_sample_weights.is_floating_point():
-            raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+            raise BadDtypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+        if per_sample_weights.dtype != weight.dtype:
+            raise BadDtypeError(f"per_sample_weights must have the weight's dtype ({weight.dtype}), got "
+                                f"{per_sample_weights.dtype}")
         if per_sample_weights.shape != input.shape:
             raise ValueError(
                 f"per_sample_weights must have the shape of {name}: expected {tuple(input.shape)}, "

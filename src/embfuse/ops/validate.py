@@ -53,6 +53,10 @@ class BadBatchError(ValueError, RuntimeError):
     torch raises for it."""
 
 
+class BadDtypeError(TypeError, RuntimeError):
+    """A tensor of the wrong dtype. A TypeError, and a RuntimeError as torch raises for it."""
+
+
 DENSE, COO, ROWWISE = 0, 1, 2  # gradient layouts: dense, torch's COO, one entry per row
 SPARSE_LAYOUTS = {False: DENSE, True: COO, "coo": COO, "rowwise": ROWWISE}
 
@@ -73,7 +77,7 @@ def check_bounds_mode(bounds_check: str) -> None:
 
 def check_index_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+        raise BadDtypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
 def check_device(name: str, t: Optional[torch.Tensor], weight: torch.Tensor, weight_name: str = "weight") -> None:
@@ -86,7 +90,7 @@ def check_weight(weight: torch.Tensor) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
     if weight.dtype not in WEIGHT_DTYPES:
-        raise TypeError(f"weight must be float32, float16, bfloat16 or float64, got {weight.dtype}")
+        raise BadDtypeError(f"weight must be float32, float16, bfloat16 or float64, got {weight.dtype}")
 
 
 def padding_index(padding_idx: int | None, num_embeddings: int) -> int:
