@@ -356,3 +356,38 @@ def test_float64_mean_gradients_are_float64(device):
     kjt = embfuse.KeyedJaggedTensor(["f"], ids, offsets=torch.cat([offsets, torch.tensor([60], device=device)]))
     ebc(kjt).values().backward(g)
     torch.testing.assert_close(ebc.weights.detach().view(50, 8).cpu(), w0.cpu() - ref, **tight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sparse", [False, True, "rowwise"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_padding_contributes_nothing_even_nan(device, sparse, mode):
+    """Padding positions are not part of a bag: a NaN in the padding row or in the output
+    gradient reaches no output and no gradient row, and torch's sparse gradient has no entry
+    for them (issue 17 items 11, 12)."""
+    nan = float("nan")
+    w = torch.randn(5, 2, device=device)
+    w[2] = nan  # the padding row
+    ids, offsets = torch.tensor([1, 2, 2, 4], device=device), torch.tensor([0, 2], device=device)
+    ours_w, theirs_w = w.clone().requires_grad_(), w.cpu().clone().requires_grad_()
+    ours = embfuse.embedding_bag(ids, ours_w, offsets, mode=mode, sparse=sparse, padding_idx=2)
+    theirs = F.embedding_bag(ids.cpu(), theirs_w, offsets.cpu(), mode=mode, sparse=sparse is True, padding_idx=2)
+    torch.testing.assert_close(ours.cpu(), theirs)
+    g = torch.ones(2, 2)
+    g[1, 0] = nan
+    ours.backward(g.to(device))
+    theirs.backward(g)
+    if sparse is True:
+        assert ours_w.grad._nnz() == theirs_w.grad._nnz() == 2
+    got = ours_w.grad.to_dense() if ours_w.grad.is_sparse else ours_w.grad
+    want = theirs_w.grad.to_dense() if theirs_w.grad.is_sparse else theirs_w.grad
+    assert torch.equal(got.cpu().nan_to_num(9.0), want.nan_to_num(9.0))
+    g = torch.ones(4, 2)
+    g[1:3] = nan  # the padding positions' output gradient
+    for sp in (False, True):
+        e_w, t_w = w.clone().requires_grad_(), w.cpu().clone().requires_grad_()
+        embfuse.embedding(ids, e_w, padding_idx=2, sparse=sp).backward(g.to(device))
+        F.embedding(ids.cpu(), t_w, padding_idx=2, sparse=sp).backward(g)
+        if sp:
+            assert e_w.grad._nnz() == t_w.grad._nnz() == 2
+        assert torch.equal(e_w.grad.to_dense().cpu(), t_w.grad.to_dense())

@@ -47,7 +47,7 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
     ids_k = torch.where(keep, ids, 0).long()
-    rows = rows * keep[:, None]
+    rows = torch.where(keep[:, None], rows, 0)  # (not a product: 0 * NaN is NaN)
     grad = torch.zeros(num_rows, src.shape[1], dtype=acc_dtype, device=src.device).index_add_(0, ids_k, rows)
     if scale_by_freq:
         counts = torch.zeros(num_rows, dtype=acc_dtype, device=src.device).index_add_(

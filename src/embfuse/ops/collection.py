@@ -103,8 +103,9 @@ def table_view(buffer, elem_start, rows, dim):
 
 
 def _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc):
-    """Per value and column c < max_dim: (flat weight element, flat output element, factor):
-    factor = psw x (1 / bag length under mean), 0 for the columns past the value's width.
+    """Per value and column c < max_dim: (flat weight element, flat output element, factor, mask
+    of the columns inside the value's width): factor = psw x (1 / bag length under mean), 0
+    past the width (callers mask with a where: element 0 there, and 0 * NaN is NaN).
     Plain tensor ops without host reads, so the reference also traces under torch.compile."""
     bag = bag_of_value(offsets, values.numel())
     m = meta[bag // max(B, 1)]
@@ -116,15 +117,15 @@ def _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc):
     factor = torch.where(m[:, POOL] == MEAN, 1.0 / lengths, 1.0)
     if psw is not None:
         factor = factor * psw.to(acc)
-    return w_at, o_at, inside * factor[:, None]
+    return w_at, o_at, torch.where(inside, factor[:, None], 0), inside
 
 
 def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim):
     """Pure torch (CPU path and test oracle): gather every value's row, scale, add into its bag."""
     acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
-    w_at, o_at, factor = _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc)
+    w_at, o_at, factor, inside = _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc)
     out = torch.zeros(B * total_dim, dtype=acc, device=weights.device)
-    out.index_add_(0, o_at.reshape(-1), (weights.to(acc)[w_at] * factor).reshape(-1))
+    out.index_add_(0, o_at.reshape(-1), torch.where(inside, weights.to(acc)[w_at] * factor, 0).reshape(-1))
     return out.view(B, total_dim).to(weights.dtype)
 
 
@@ -274,9 +275,9 @@ def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layo
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
     """Pure torch: every value's scaled gradient row added into its table row."""
     acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    w_at, o_at, factor = _elements(values, offsets, psw, meta, B, grad.shape[1], max_dim, acc)
+    w_at, o_at, factor, inside = _elements(values, offsets, psw, meta, B, grad.shape[1], max_dim, acc)
     out = torch.zeros(num_elements, dtype=acc, device=grad.device)
-    out.index_add_(0, w_at.reshape(-1), (grad.to(acc).reshape(-1)[o_at] * factor).reshape(-1))
+    out.index_add_(0, w_at.reshape(-1), torch.where(inside, grad.to(acc).reshape(-1)[o_at] * factor, 0).reshape(-1))
     return out.to(grad.dtype)
 
 

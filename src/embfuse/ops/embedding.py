@@ -92,14 +92,17 @@ def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
 
 
 def _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
-    """torch's sparse=True gradient: one COO entry per position (padding rows get zeros;
-    positions of id -1, a bad batch's, row 0 with zeros)."""
+    """torch's sparse=True gradient: one COO entry per position (positions of id -1, a bad
+    batch's, row 0 with zeros); padding positions are left out, as torch does (a host read on a
+    GPU, as torch's)."""
     ids = indices.long()
     keep = ids >= 0
     if padding_idx >= 0:
         keep = keep & (ids != padding_idx)
-    values = grad * keep[:, None]
+    values = torch.where(keep[:, None], grad, 0)
     ids = torch.where(ids >= 0, ids, 0)
+    if padding_idx >= 0:
+        ids, values = ids[keep], values[keep]
     if scale_grad_by_freq:
         counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(
             0, ids, torch.ones_like(ids, dtype=torch.float32)

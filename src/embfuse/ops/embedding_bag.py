@@ -88,7 +88,7 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     out = torch.zeros(B, D, dtype=acc_dtype, device=weight.device)
     if mode == MAX:
         return _max_reference(rows, keep, bag, indices, B, D, out.dtype, weight.dtype)
-    out.index_add_(0, bag, rows * keep[:, None])
+    out.index_add_(0, bag, torch.where(keep[:, None], rows, 0))  # (not a product: 0 * NaN is NaN)
     if mode == MEAN:
         out /= _bag_sizes(keep, offsets).clamp(min=1)[:, None]
     return out.to(weight.dtype), indices.new_empty(0, dtype=torch.int64)
@@ -379,7 +379,8 @@ def _(grad, indices, offsets, per_sample_weights, status, max_ids, num_weights, 
 
 def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, padding_idx, scale_grad_by_freq,
                  status=None):
-    """torch's sparse=True gradient: one COO entry per pooled position (uncoalesced), no sync."""
+    """torch's sparse=True gradient: one COO entry per pooled position (uncoalesced); with a
+    padding_idx its positions are left out, as torch does (a host read on a GPU, as torch's)."""
     D = grad.shape[1]
     if offsets.numel() == 1:
         return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D),
@@ -387,10 +388,12 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=False,
                                       status=status, dtype=accumulation(grad))
     keep = ids >= 0
-    values = grad[bag] * keep[:, None]
+    values = torch.where(keep[:, None], grad[bag], 0)
     if scale is not None:
         values = values * scale[:, None].to(grad.dtype)
     ids = torch.where(keep, ids, 0)
+    if padding_idx >= 0:
+        ids, values, keep = ids[keep], values[keep], keep[keep]
     if scale_grad_by_freq:
         counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(0, ids, keep.float())
         values = values / counts[ids].clamp(min=1)[:, None].to(grad.dtype)
@@ -417,7 +420,7 @@ def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, st
     keep, bag = _pooled(indices, offsets, padding_idx)
     acc = torch.promote_types(grad.dtype, torch.float32)
     dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
-    return (dots * keep).to(psw.dtype)
+    return torch.where(keep, dots, 0).to(psw.dtype)
 
 
 def _setup_context(ctx, inputs, output):
