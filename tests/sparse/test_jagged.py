@@ -109,3 +109,36 @@ def test_keyed_tensor_and_jagged_tensor():
     assert torch.equal(kt["b"], torch.tensor([[2.0, 3, 4], [7, 8, 9]]))
     jt = JaggedTensor(torch.arange(3), offsets=torch.tensor([0, 0, 3]))
     assert jt.lengths().tolist() == [0, 3] and [x.tolist() for x in jt.to_dense()] == [[], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("make, exc, message", [
+    (lambda: KeyedJaggedTensor("uid", torch.arange(2), lengths=torch.tensor([2])), TypeError,
+     "keys must be a sequence of strings"),
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2.0])), TypeError,
+     "lengths must be integers"),
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([[2]])), ValueError,
+     "lengths must be 1-D"),
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([3])), ValueError,
+     "lengths add up to 3 but there are 2 values"),
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]), weights=torch.rand(3)),
+     ValueError, "weights has shape"),
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]), weights=torch.ones(2).long()),
+     TypeError, "weights must be floating point"),
+    (lambda: KeyedJaggedTensor(["a", "b"], torch.arange(3), offsets=torch.tensor([0, 2, 1])), ValueError,
+     r"offsets must start at 0 and never decrease; offsets\[2\] = 1"),
+])
+def test_inconsistent_batches_are_refused_at_construction(make, exc, message):
+    with pytest.raises(exc, match=message):
+        make()
+
+
+def test_slicing_by_key_refuses_lengths_that_do_not_add_up():
+    """Lengths on a device are not summed at construction (no device read); to_dict and split,
+    which read the per-key counts anyway, check them. (Lengths on the meta device stand in for
+    a GPU's here; the per-key counts are given.)"""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1], device="meta"), stride=1,
+                            length_per_key=[1, 1])
+    with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values"):
+        kjt.to_dict()
+    with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values"):
+        kjt.split([1, 1])

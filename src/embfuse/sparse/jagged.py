@@ -29,8 +29,28 @@ class _Jagged:
     _offsets: Optional[Tensor]
 
     def _set(self, values, weights, lengths, offsets):
+        """Keep the parts after the checks that need no device read: dtypes and shapes; and,
+        where offsets live on the host, that they start at 0 and never decrease."""
+        kind = type(self).__name__
         if lengths is None and offsets is None:
-            raise ValueError(f"a {type(self).__name__} needs lengths or offsets")
+            raise ValueError(f"a {kind} needs lengths or offsets")
+        for name, t in (("lengths", lengths), ("offsets", offsets)):
+            if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                raise TypeError(f"{kind}: {name} must be integers, got {t.dtype}")
+            if t is not None and t.dim() != 1:
+                raise ValueError(f"{kind}: {name} must be 1-D, got shape {tuple(t.shape)}")
+        if weights is not None:
+            if not weights.is_floating_point():
+                raise TypeError(f"{kind}: weights must be floating point, got {weights.dtype}")
+            if weights.shape != values.shape:
+                raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
+                                 f"{tuple(values.shape)}")
+        if offsets is not None and offsets.device.type == "cpu" and offsets.numel():
+            dec = (offsets[1:] < offsets[:-1]).nonzero()
+            if int(offsets[0]) != 0 or dec.numel():
+                at = 0 if int(offsets[0]) != 0 else int(dec[0]) + 1
+                raise ValueError(f"{kind}: offsets must start at 0 and never decrease; offsets[{at}] = "
+                                 f"{int(offsets[at])}")
         self._values, self._weights, self._offsets = values, weights, offsets
         self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
 
@@ -76,6 +96,8 @@ class KeyedJaggedTensor(_Jagged):
     def __init__(self, keys: Sequence[str], values: Tensor, weights: Optional[Tensor] = None,
                  lengths: Optional[Tensor] = None, offsets: Optional[Tensor] = None, stride: Optional[int] = None,
                  length_per_key: Optional[list[int]] = None):
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"keys must be a sequence of strings (feature names), got {keys!r}")
         self._keys = list(keys)
         if len(set(self._keys)) != len(self._keys):
             dup = next(k for k in self._keys if self._keys.count(k) > 1)
@@ -95,6 +117,8 @@ class KeyedJaggedTensor(_Jagged):
             raise ValueError(f"lengths has {n} entries; {F} keys x stride {stride} needs {F * stride}")
         self._stride = stride
         self._length_per_key = length_per_key
+        if self._lengths.device.type == "cpu":
+            self.validate()  # host lengths: the sums cost no device read
 
     # --- TorchRec's accessors ---
     def keys(self) -> list[str]:
@@ -141,6 +165,7 @@ class KeyedJaggedTensor(_Jagged):
     # --- slicing by key ---
     def _key_slices(self):
         B, lpk, opk = self._stride, self.length_per_key(), self.offset_per_key()
+        self._check_total(opk[-1])
         for i, key in enumerate(self._keys):
             yield key, slice(i * B, (i + 1) * B), slice(opk[i], opk[i] + lpk[i])
 
@@ -162,6 +187,7 @@ class KeyedJaggedTensor(_Jagged):
             raise ValueError(f"segments {list(segments)} do not add up to the {len(self._keys)} keys")
         out, start = [], 0
         B, opk, lpk = self._stride, self.offset_per_key(), self.length_per_key()
+        self._check_total(opk[-1])
         for size in segments:
             keys = self._keys[start:start + size]
             vs = slice(opk[start], opk[start + size])
@@ -176,10 +202,9 @@ class KeyedJaggedTensor(_Jagged):
         """A KJT whose key i is this one's key indices[i] (keys may repeat or be left out)."""
         parts = self.to_dict()
         jts = [parts[self._keys[i]] for i in indices]
-        cat = (lambda ts: torch.cat(ts)) if jts else (lambda ts: self._values[:0])
         return KeyedJaggedTensor(
-            [self._keys[i] for i in indices], cat([jt.values() for jt in jts]),
-            None if self._weights is None else cat([jt.weights() for jt in jts]),
+            [self._keys[i] for i in indices], torch.cat([jt.values() for jt in jts]) if jts else self._values[:0],
+            None if self._weights is None else torch.cat([jt.weights() for jt in jts]) if jts else self._weights[:0],
             lengths=torch.cat([jt.lengths() for jt in jts]) if jts else self._lengths[:0], stride=self._stride,
             length_per_key=[self.length_per_key()[i] for i in indices])
 
@@ -196,6 +221,11 @@ class KeyedJaggedTensor(_Jagged):
             torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
             lengths=torch.cat([k.lengths() for k in kjts]), stride=kjts[0].stride(),
             length_per_key=[n for k in kjts for n in k.length_per_key()])
+
+    def _check_total(self, total: int) -> None:
+        """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
+        if total != self._values.numel():
+            raise ValueError(f"lengths add up to {total} but there are {self._values.numel()} values")
 
     # --- moving ---
     def _tensors(self):
