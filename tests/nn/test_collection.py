@@ -224,3 +224,19 @@ def test_statistics_reject_bad_ids_like_the_forward():
                             lengths=torch.tensor([1, 0, 1, 1]))
     with pytest.raises(IndexError, match="iid"):
         ebc.statistics(kjt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_of_values_but_no_bags_is_refused(device):
+    """Zero bags with some values failed inside torch (issue 17 item 8): on the host the batch
+    refuses itself; what reaches the collection's check is refused there."""
+    from embfuse.ops.collection import validate_collection
+
+    with pytest.raises(ValueError, match="lengths add up to 0 but there are 2 values"):
+        KeyedJaggedTensor(["uid"], torch.tensor([1, 2]), lengths=torch.zeros(0, dtype=torch.long), stride=0)
+    ebc = EmbeddingBagCollection(tables(), device=device)
+    plan = ebc._plan(["uid"], ebc.weights.device)
+    with pytest.raises(ValueError, match="the batch has no bags but 2 values") as e:
+        validate_collection(torch.tensor([1, 2], device=device), torch.zeros(1, dtype=torch.long, device=device),
+                            None, plan, 0, ["uid"], ["user"])
+    assert isinstance(e.value, RuntimeError)

@@ -30,8 +30,9 @@ def _case(D, dtype, index_dtype, weighted, device=KERNEL_DEVICE, num_bags=7, N=4
 def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted, padding_idx):
     weight, ids, offsets, psw = _case(D, dtype, index_dtype, weighted)
     ids[::3] = 5  # padding and duplicates in most bags
-    out = torch.full((offsets.numel() - 1, D), float("nan"), dtype=dtype)  # poison: every element is written
-    out, max_ids = embedding_bag_forward(weight, ids, offsets, psw, mode, padding_idx)
+    poison = torch.full((offsets.numel() - 1, D), float("nan"), dtype=dtype, device=weight.device)
+    out, max_ids = embedding_bag_forward(weight, ids, offsets, psw, mode, padding_idx, out=poison)
+    assert out is poison  # every element was written: none is left NaN (checked below)
     psw64 = psw.double() if psw is not None else None
     ref, ref_ids = embedding_bag_reference(weight.double(), ids, offsets, psw64, mode, padding_idx)
     assert not out.isnan().any()

@@ -201,12 +201,14 @@ def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
 
 
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
-                          with_max_ids=True, status=None):
+                          with_max_ids=True, status=None, out=None):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
     with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
-    (None instead), one allocation less on the host path of a small call."""
+    (None instead), one allocation less on the host path of a small call. `out`: a (B, D)
+    tensor of the weight's dtype to write into (tests poison it)."""
     B, D = offsets.numel() - 1, weight.shape[1]
-    out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
+    if out is None:
+        out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
     max_ids = None
     if mode == MAX:
         max_ids = torch.empty(B, D, dtype=torch.int64, device=weight.device)
