@@ -30,7 +30,7 @@ def demo(args: argparse.Namespace) -> int:
     from embfuse.demo import data as demo_data
     from embfuse.demo.run import build, plot, same_start, train
 
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 160))  # the results table is about 150 columns wide
     device = torch.device(_device(args.device))
     warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch's Adagrad on sparse grads
     try:

@@ -70,12 +70,14 @@ def evaluate(model, batches) -> tuple[float, float]:
     return auc(s, y), float(F.binary_cross_entropy_with_logits(s, y))
 
 
-def embedding_time_ms(model, batches, device, steps: int = 20) -> float:
-    """Forward + backward (+ update) of the sparse part alone, per step."""
+def embedding_time_ms(model, batches, device, steps: int = 20, warmup: int = 3) -> float:
+    """Forward + backward (+ update) of the sparse part alone: the median step after `warmup`
+    untimed ones, as the benchmarks time (one slow step, a compile or a page fault, moves no
+    figure)."""
     sparse = model.sparse
-    timed = 0.0
+    times = []
     for k, (_, kjt, _) in enumerate(batches):
-        if k == steps:
+        if len(times) == steps:
             break
         _sync(device)
         t0 = time.perf_counter()
@@ -83,8 +85,9 @@ def embedding_time_ms(model, batches, device, steps: int = 20) -> float:
         out.backward(torch.ones_like(out) * 1e-6)
         sparse.step()
         _sync(device)
-        timed += time.perf_counter() - t0
-    return timed / max(1, min(steps, k + 1)) * 1e3
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(torch.tensor(times).median()) * 1e3 if times else 0.0
 
 
 WARMUP_STEPS = 5  # not timed: Triton compiles each kernel on its first call
@@ -131,8 +134,9 @@ def train(name, model, data, train_idx, test_idx, args, device, progress=None) -
 def build(kind: str, data: Dataset, args, device) -> DLRM:
     multi = {k for k, v in data.sparse.items() if v.dim() == 2}
     cls = EmbfuseSparse if kind == "embfuse" else TorchSparse
+    torch.manual_seed(args.seed)  # the tables' initial values (same_start then makes both models' equal)
     sparse = cls(data.rows, args.dim, args.lr_sparse, device, multi)
-    torch.manual_seed(args.seed)  # the same dense layers for both models
+    torch.manual_seed(args.seed + 1)  # the same dense layers for both models
     model = DLRM(sparse, data.dense.shape[1], len(data.sparse), args.dim).to(device)
     return model
 
@@ -149,6 +153,7 @@ def plot(results: list[Result], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     for r in results:
@@ -160,6 +165,7 @@ def plot(results: list[Result], path: Path) -> None:
     ax3.bar([r.name for r in results], [r.examples_per_s for r in results], color=["tab:blue", "tab:orange"])
     ax1.set(title="training loss (smoothed)", xlabel="step", ylabel="log-loss")
     ax2.set(title="test log-loss", xlabel="epoch")
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # epochs are whole
     ax3.set(title="training throughput", ylabel="examples / s")
     ax1.legend()
     ax2.legend()
