@@ -291,9 +291,34 @@ def guard_bags(values, offsets, status):
     return torch.where(good, values, 0), torch.where(good, offsets, safe)
 
 
+def one_width(meta: Tensor, total_dim: int, max_dim: int) -> bool:
+    """Whether every feature has the widest width (then the flat buffer is one (rows, D) table)."""
+    return meta.shape[0] * max_dim == total_dim
+
+
+def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim):
+    """The CPU path of a collection whose features share one width: the flat buffer as one
+    (rows, D) table, global rows (a table's first row + id), and torch's native embedding_bag
+    over all F * B bags at once (sum; mean features divided by their bags' lengths after)."""
+    D, F = max_dim, meta.shape[0]
+    feature = bag_of_value(offsets, values.numel()) // max(B, 1)
+    rows = meta[:, ROW_START][feature] + values.long()
+    table = weights.view(-1, D)
+    pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
+                                               per_sample_weights=None if psw is None else psw.to(table.dtype))
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)
+    mean = (meta[:, POOL] == MEAN).repeat_interleave(B)
+    pooled = torch.where(mean[:, None], pooled / lengths[:, None].to(pooled.dtype), pooled)
+    out = weights.new_empty(B, F, D)
+    out[:, meta[:, OUT_COL] // D] = pooled.view(F, B, D).transpose(0, 1)
+    return out.view(B, total_dim)
+
+
 def _forward_impl(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, status=None):
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec, status=status)
+    if status is None and weights.device.type == "cpu" and not tracing() and one_width(meta, total_dim, max_dim):
+        return collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim) * (status[0] == 0)

@@ -12,7 +12,8 @@ import torch
 
 from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops._segment import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
-from embfuse.ops.collection import DIM, OUT_COL, POOL, backward_inputs, feature_slices, table_view
+from embfuse.ops.collection import (DIM, OUT_COL, POOL, ROW_START, backward_inputs, bag_of_value, feature_slices,
+                                    one_width, table_view)
 from embfuse.ops.embedding_bag import MEAN, accumulation
 from embfuse.ops.validate import known_good
 from embfuse.optim.rules import stochastic_round_reference
@@ -203,6 +204,26 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
     return None
 
 
+def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, acc):
+    """The CPU update of a collection whose features share one width D: the flat buffer and its
+    element state as one (rows, D) table, every value's gradient row gathered at once, one update
+    of all touched rows (not a pass a table)."""
+    D, meta = plan.max_dim, plan.meta
+    bag = bag_of_value(offsets, values.numel())
+    feature = bag // max(B, 1)
+    # one width: the pooled gradient is (B, F, D), feature f's block at column OUT_COL[f] = its slot * D
+    rows = grad.to(acc).view(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D]
+    if psw is not None:
+        rows = rows * psw.to(acc)[:, None]
+    if plan.mean:
+        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(acc)
+        rows = torch.where((meta[:, POOL] == MEAN)[feature][:, None], rows / lengths[:, None], rows)
+    per = optimizer.state_spec()
+    views = {k: v.view(-1, D) if per[k][0] == "element" else v for k, v in state.items()}
+    apply_sparse_update_reference(weights.view(-1, D), views, optimizer, meta[:, ROW_START][feature] + values.long(),
+                                  rows, None, None, step)
+
+
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
                       status=None):
     """A fused update of a table collection's flat `weights` (and flat `state`) from the
@@ -217,10 +238,13 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
         return
-    # reference: per table, the gradient rows of all its features, then one update
     if not known_good(status):
         return
     acc = accumulation(weights)
+    if one_width(plan.meta, plan.total_dim, plan.max_dim):
+        return _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, acc)
+    # reference: per table, the gradient rows of all its features, then one update
+
     by_table = {}
     for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
         dim, col, pooling = m[DIM], m[OUT_COL], m[POOL]
