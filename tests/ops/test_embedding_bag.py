@@ -392,3 +392,19 @@ def test_padding_contributes_nothing_even_nan(device, sparse, mode):
         if sp:
             assert e_w.grad._nnz() == t_w.grad._nnz() == 2
         assert torch.equal(e_w.grad.to_dense().cpu(), t_w.grad.to_dense())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 61])
+def test_include_last_offset_last_bag_runs_to_the_end(device, mode, padding_idx):
+    """With include_last_offset the last bag ends at the end of the input, whatever the last
+    offset (torch's tested behaviour, pytorch issue 89677), in every mode (issue 17 item 13)."""
+    w = torch.randn(100, 3, device=device)
+    ids = torch.tensor([0, 1, 2, 3], device=device)
+    pool = {"sum": lambda r: r.sum(0), "mean": lambda r: r.mean(0), "max": lambda r: r.max(0).values}[mode]
+    want = torch.stack([pool(w[0:3]), pool(w[3:4])])
+    for last in (3, 4):
+        out = embfuse.embedding_bag(ids, w, torch.tensor([0, 3, last], device=device), mode=mode,
+                                    include_last_offset=True, padding_idx=padding_idx)
+        torch.testing.assert_close(out, want)

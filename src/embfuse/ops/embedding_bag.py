@@ -489,6 +489,10 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
             offsets = offsets.new_zeros(1)
         elif not include_last_offset:
             offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
+        else:
+            # torch's tested rule (its test from pytorch issue 89677): the last bag runs to the
+            # end of the input whatever the last offset says; one past the end is still an error
+            offsets = torch.cat([offsets[:-1], offsets[-1:].clamp(min=input.numel())])
     else:
         raise ValueError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
     if per_sample_weights is not None:
