@@ -27,7 +27,7 @@ BAD_BAG_INPUTS = [
     ([1, 2, 3], [0, 1], {"mode": "mean", "per_sample_weights": [1.0, 2.0, 3.0]}, ValueError,
      "only supported for mode='sum'"),
     ([1, 2, 3], [0, 1], {"mode": "sum", "per_sample_weights": [1.0, 2.0]}, ValueError,
-     "per_sample_weights must have the shape of input"),
+     "per_sample_weights must have the same shape as the input"),
     ([1, 2, 3], [0, 1], {"mode": "sum", "per_sample_weights": [1, 2, 3]}, TypeError, "must be floating point"),
     ([1, 2, 3], None, {}, ValueError, "offsets has to be a 1-D tensor when input is 1-D"),
     ([1, 2, 3], [0, 1], {"mode": "median"}, ValueError, "mode has to be one of"),
@@ -158,3 +158,41 @@ def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
         assert got == expected
     with pytest.raises((IndexError, ValueError)) if expected else warnings.catch_warnings():
         check_errors()
+
+
+def test_errors_are_catchable_as_torch_raises_them():
+    """Code written for torch catches its exception classes and matches its wording: the same
+    inputs raise exceptions of those classes here (besides ValueError / TypeError), with the
+    phrases torch's own tests look for (issue 17 item 16)."""
+    w = torch.randn(4, 3)
+    ids, off = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    cases = [
+        (lambda: F.embedding_bag(ids, w, off, padding_idx=7), RuntimeError, "padding_idx must be within the number"),
+        (lambda: F.embedding(ids, torch.tensor(1.0)), RuntimeError, "'weight' must be 2-D"),
+        (lambda: F.embedding_bag(ids, torch.zeros(2, 2, 2), off), ValueError, "weight has to be a 2D Tensor"),
+        (lambda: F.embedding_bag(ids.view(1, 1, 3), w), (ValueError, RuntimeError), "input has to be 1D or 2D Tensor"),
+        (lambda: F.embedding_bag(ids, w, off.view(1, 2)), (ValueError, RuntimeError), "offsets has to be a 1D Tensor"),
+        (lambda: F.embedding_bag(ids, w, off, mode="mean", per_sample_weights=torch.rand(3)), NotImplementedError,
+         "only supported for mode='sum'"),
+        (lambda: F.embedding_bag(ids, w, off, mode="sum", per_sample_weights=torch.rand(2)), ValueError,
+         "same shape as the input"),
+        (lambda: F.embedding_bag(ids, w, off, mode="sum", per_sample_weights=torch.rand(3).double()), RuntimeError,
+         "have the same type as"),
+    ]
+    for call, exc, phrase in cases:
+        with pytest.raises(exc, match=phrase):  # torch
+            call()
+        with pytest.raises(exc, match=phrase):  # embfuse, same call
+            with _swapped():
+                call()
+
+
+class _swapped:
+    """F.embedding / F.embedding_bag replaced by embfuse's inside the block."""
+
+    def __enter__(self):
+        self.saved = F.embedding, F.embedding_bag
+        F.embedding, F.embedding_bag = embfuse.embedding, embfuse.embedding_bag
+
+    def __exit__(self, *exc):
+        F.embedding, F.embedding_bag = self.saved

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
 from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
-from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, BadDtypeError, check_bounds_mode, check_device,
+from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, BadArgumentError, BadDtypeError, UnsupportedError,
+                                  check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
 
 SUM, MEAN, MAX = 0, 1, 2
@@ -483,7 +484,7 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
             raise ValueError("offsets has to be a 1-D tensor when input is 1-D (it says where each bag starts)")
         check_index_dtype("offsets", offsets)
         if offsets.dim() != 1:
-            raise ValueError(f"offsets has to be a 1-D tensor, got shape {tuple(offsets.shape)}")
+            raise BadArgumentError(f"offsets has to be a 1D Tensor, got shape {tuple(offsets.shape)}")
         indices = input
         if offsets.numel() == 0:
             offsets = offsets.new_zeros(1)
@@ -494,7 +495,7 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
             # end of the input whatever the last offset says; one past the end is still an error
             offsets = torch.cat([offsets[:-1], offsets[-1:].clamp(min=input.numel())])
     else:
-        raise ValueError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
+        raise BadArgumentError(f"input has to be 1D or 2D Tensor, got shape {tuple(input.shape)}")
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights.reshape(-1).contiguous()
     return indices.contiguous(), offsets.contiguous(), per_sample_weights
@@ -506,7 +507,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     (indices, offsets, per_sample_weights, mode number, padding_idx, check) that the ops take;
     `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its status must
     outlive later calls (an autograd backward will read it)."""
-    check_weight(weight)
+    check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
     if mode not in MODES:
@@ -516,15 +517,15 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     check_device("per_sample_weights", per_sample_weights, weight)
     if per_sample_weights is not None:
         if mode != "sum":
-            raise ValueError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
+            raise UnsupportedError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
         if not per_sample_weights.is_floating_point():
             raise BadDtypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
         if per_sample_weights.dtype != weight.dtype:
-            raise BadDtypeError(f"per_sample_weights must have the weight's dtype ({weight.dtype}), got "
+            raise BadDtypeError(f"per_sample_weights must have the same type as weight ({weight.dtype}), got "
                                 f"{per_sample_weights.dtype}")
         if per_sample_weights.shape != input.shape:
             raise ValueError(
-                f"per_sample_weights must have the shape of {name}: expected {tuple(input.shape)}, "
+                f"per_sample_weights must have the same shape as the input ({name}): expected {tuple(input.shape)}, "
                 f"got {tuple(per_sample_weights.shape)}"
             )
     if scale_grad_by_freq and mode == "max":

@@ -57,6 +57,15 @@ class BadDtypeError(TypeError, RuntimeError):
     """A tensor of the wrong dtype. A TypeError, and a RuntimeError as torch raises for it."""
 
 
+class BadArgumentError(ValueError, RuntimeError):
+    """An argument torch refuses with a RuntimeError (a shape, a padding_idx out of range): a
+    ValueError here, and a RuntimeError too."""
+
+
+class UnsupportedError(ValueError, NotImplementedError):
+    """An option torch refuses with NotImplementedError: a ValueError here, and that too."""
+
+
 DENSE, COO, ROWWISE = 0, 1, 2  # gradient layouts: dense, torch's COO, one entry per row
 SPARSE_LAYOUTS = {False: DENSE, True: COO, "coo": COO, "rowwise": ROWWISE}
 
@@ -86,9 +95,12 @@ def check_device(name: str, t: Optional[torch.Tensor], weight: torch.Tensor, wei
         raise ValueError(f"{name} is on {t.device} but {weight_name} is on {weight.device}")
 
 
-def check_weight(weight: torch.Tensor) -> None:
+def check_weight(weight: torch.Tensor, op: str = "embedding") -> None:
+    """A 2-D float table; the wording of torch's message for each op (code written for torch
+    matches on it)."""
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
+        what = "weight has to be a 2D Tensor" if op == "embedding_bag" else "'weight' must be 2-D"
+        raise BadArgumentError(f"{what} (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
     if weight.dtype not in WEIGHT_DTYPES:
         raise BadDtypeError(f"weight must be float32, float16, bfloat16 or float64, got {weight.dtype}")
 
@@ -100,7 +112,8 @@ def padding_index(padding_idx: int | None, num_embeddings: int) -> int:
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
         raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
     if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+        raise BadArgumentError(f"padding_idx must be within the number of embeddings, [-{num_embeddings}, "
+                               f"{num_embeddings}), got {padding_idx}")
     return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
 
 
