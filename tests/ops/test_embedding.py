@@ -178,3 +178,28 @@ def test_rowwise_sparse_gradient_has_one_entry_per_touched_row(device, padding_i
 def test_sparse_must_name_a_gradient_layout():
     with pytest.raises(ValueError, match="sparse must be False, True, 'coo' or 'rowwise', got 'dense'"):
         embfuse.embedding(torch.tensor([1]), torch.randn(3, 2), sparse="dense")
+
+
+def test_integer_tables_are_looked_up():
+    """nn.Embedding.from_pretrained of an integer table (torch looks it up, no gradient)."""
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        a = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=dtype)
+        m = embfuse.nn.Embedding.from_pretrained(a)
+        assert torch.equal(m(torch.tensor([1, 0])), a.flip(0))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("freq", [False, True])
+def test_double_backward_matches_torch(padding_idx, freq):
+    """gradgradcheck in float64, and the double backward of torch's padding test: the padding
+    row's weight + gradient is unchanged."""
+    w = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 1, 1, 2], [3, 5, 0, 1]])
+    fn = lambda weight: embfuse.embedding(ids, weight, padding_idx, scale_grad_by_freq=freq)  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (w,))
+    for module in (embfuse.nn.Embedding(5, 2, padding_idx=0), torch.nn.Embedding(5, 2, padding_idx=0)):
+        idx = torch.tensor([1, 3] + [0] * 3)
+        total = module(idx).sum()
+        (g,) = torch.autograd.grad(total, list(module.parameters()), create_graph=True)
+        (g.sum() + total).backward()
+        assert torch.equal(module.weight.grad[0], torch.zeros(2))

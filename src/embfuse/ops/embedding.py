@@ -53,7 +53,7 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
 
 
 def _forward_impl(weight, indices, status=None):
-    if use_kernels(weight):
+    if use_kernels(weight) and weight.is_floating_point():  # (integer tables: torch's gather)
         return embedding_forward(weight, indices, status)
     if status is not None:  # torch's gather would fault on a bad id: a bad batch gives zeros
         return embedding_reference(weight, guard(indices, status, 0)) * (status[0] == 0)
@@ -89,6 +89,34 @@ def _embedding_backward_op(grad: Tensor, indices: Tensor, num_weights: int, padd
 @_embedding_backward_op.register_fake
 def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     return grad.new_empty(num_weights, grad.shape[1])
+
+
+def _backward_setup(ctx, inputs, output):
+    _grad, indices, num_weights, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    ctx.args = (num_weights, padding_idx, scale_grad_by_freq)
+
+
+def _double_backward(ctx, grad_grad):
+    """The backward's own derivative (double backward, as torch's embedding has): position p
+    receives grad_grad at its row, over the row's count under scale_grad_by_freq; nothing at
+    padding or at a row of -1. Torch ops, themselves differentiable."""
+    (indices,) = ctx.saved_tensors
+    num_weights, padding_idx, scale_grad_by_freq = ctx.args
+    ids = indices.long()
+    keep = ids >= 0
+    if padding_idx >= 0:
+        keep = keep & (ids != padding_idx)
+    at = torch.where(keep, ids, 0)
+    rows = torch.where(keep[:, None], grad_grad[at], 0)
+    if scale_grad_by_freq:
+        counts = torch.zeros(num_weights, dtype=grad_grad.dtype, device=ids.device).index_add_(
+            0, at, keep.to(grad_grad.dtype))
+        rows = rows / counts[at].clamp(min=1)[:, None]
+    return rows, None, None, None, None
+
+
+_embedding_backward_op.register_autograd(_double_backward, setup_context=_backward_setup)
 
 
 def _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq):

@@ -101,8 +101,10 @@ def check_weight(weight: torch.Tensor, op: str = "embedding") -> None:
     if weight.dim() != 2:
         what = "weight has to be a 2D Tensor" if op == "embedding_bag" else "'weight' must be 2-D"
         raise BadArgumentError(f"{what} (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
-    if weight.dtype not in WEIGHT_DTYPES:
-        raise BadDtypeError(f"weight must be float32, float16, bfloat16 or float64, got {weight.dtype}")
+    if weight.dtype not in WEIGHT_DTYPES and not (op == "embedding" and not weight.is_floating_point()
+                                                  and not weight.is_complex() and weight.dtype != torch.bool):
+        raise BadDtypeError(f"weight must be float32, float16, bfloat16 or float64, got {weight.dtype}"
+                            + (" (embedding also looks up integer tables)" if op == "embedding" else ""))
 
 
 def padding_index(padding_idx: int | None, num_embeddings: int) -> int:
