@@ -359,7 +359,7 @@ def _bad_id_message(indices: torch.Tensor, shape, num_embeddings: int, name: str
     v = int(indices[p])
     msg = (
         f"{name}{_position(p, shape)} = {v} is out of range for a table of {num_embeddings} rows "
-        f"(valid ids are 0..{num_embeddings - 1})"
+        f"(valid ids are 0..{num_embeddings - 1}). Expected idx >= 0 && idx < num_embeddings (torch's words)"
     )
     return msg, bad.numel()
 
