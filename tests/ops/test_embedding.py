@@ -203,3 +203,17 @@ def test_double_backward_matches_torch(padding_idx, freq):
         (g,) = torch.autograd.grad(total, list(module.parameters()), create_graph=True)
         (g.sum() + total).backward()
         assert torch.equal(module.weight.grad[0], torch.zeros(2))
+
+
+def test_forward_mode_ad_with_max_norm():
+    """Forward-mode AD through embedding, max_norm included (the detached weight is renormed,
+    as torch does): the tangent of each looked-up row is the weight tangent's row."""
+    from torch.autograd import forward_ad
+
+    weight = torch.randn(4, 4) * 2
+    inp = torch.tensor([[0, 1], [2, 2]])
+    for max_norm in (None, 1.0):
+        with forward_ad.dual_level():
+            dual_weight = forward_ad.make_dual(weight.clone(), torch.ones(4, 4))
+            jvp = forward_ad.unpack_dual(embfuse.embedding(inp, dual_weight, max_norm=max_norm)).tangent
+        assert torch.equal(jvp, torch.ones(2, 2, 4))

@@ -196,3 +196,19 @@ class _swapped:
 
     def __exit__(self, *exc):
         F.embedding, F.embedding_bag = self.saved
+
+
+def test_every_tensor_argument_is_on_the_weights_device():
+    """per_sample_weights and offsets on another device are refused, named (issue 17 item 2: with
+    per_sample_weights on the meta device the op returned uninitialised memory); skip mode's
+    zero rows are +0.0 (item 10)."""
+    w = torch.randn(10, 4)
+    ids, off = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="per_sample_weights is on meta but weight is on cpu"):
+        embfuse.embedding_bag(ids, w, off, mode="sum", per_sample_weights=meta)
+    with pytest.raises(ValueError, match="offsets is on meta but weight is on cpu"):
+        embfuse.embedding_bag(ids, w, off.to("meta"), bounds_check="off")
+    with pytest.warns(UserWarning):
+        rows = embfuse.embedding(torch.tensor([99]), -w.abs() - 1, bounds_check="skip")
+    assert torch.equal(rows, torch.zeros(1, 4)) and not torch.signbit(rows).any()

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
 from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
@@ -174,16 +175,24 @@ def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, n
     check_device(name, input, weight)
     num_embeddings = weight.shape[0]
     padding_idx = padding_index(padding_idx, num_embeddings)
-    if max_norm is not None and bounds_check == "deferred":
-        bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
+    if (max_norm is not None or dual(weight)) and bounds_check == "deferred":
+        # the renorm below writes rows named by the ids, and torch's own lookup (forward-mode AD)
+        # reads them: they must be known good first
+        bounds_check = "sync"
     keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh)
     flat = input.reshape(-1).contiguous()
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, 0)
     if max_norm is not None:
-        with torch.no_grad():
-            torch.embedding_renorm_(weight, flat, max_norm, norm_type)
+        with torch.no_grad():  # the detached weight, as torch renorms it (a dual tensor's too)
+            torch.embedding_renorm_(weight.detach(), flat, max_norm, norm_type)
     return flat, keep, padding_idx, check
+
+
+def dual(weight) -> bool:
+    """Whether `weight` carries a forward-mode AD tangent (one int compared when no forward-AD
+    level is open)."""
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
 
 
 def embedding(
@@ -209,6 +218,9 @@ def embedding(
     grad = needs_op(weight)
     flat, keep, padding_idx, check = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check,
                                                  name, fresh=grad)
+    if dual(weight):  # forward-mode AD: torch's own lookup has the forward derivative (checked above)
+        out = torch.embedding(weight, flat, padding_idx, scale_grad_by_freq, bool(sparse))
+        return out.view(*input.shape, weight.shape[1])
     out = lookup_rows(weight, flat, None if check is None else check.status, padding_idx, scale_grad_by_freq, sparse)
     if keep is not None:  # (a where, not a product: skipped rows are +0.0, not -0.0 times a row)
         out = torch.where(keep.reshape(-1, 1), out, 0)

@@ -544,7 +544,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
         given_offsets=given, fresh=fresh)
     if max_norm is not None:
         with torch.no_grad():
-            torch.embedding_renorm_(weight, indices, max_norm, norm_type)
+            torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight
     return indices, offsets, per_sample_weights, MODES[mode], padding_idx, check
 
 
