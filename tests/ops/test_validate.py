@@ -212,3 +212,17 @@ def test_every_tensor_argument_is_on_the_weights_device():
     with pytest.warns(UserWarning):
         rows = embfuse.embedding(torch.tensor([99]), -w.abs() - 1, bounds_check="skip")
     assert torch.equal(rows, torch.zeros(1, 4)) and not torch.signbit(rows).any()
+
+
+def test_skip_warnings_point_at_the_callers_line():
+    """A skip-mode warning names the line that called embfuse, also through a module's forward
+    (issue 17 item 10), not a line inside embfuse or torch."""
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", bounds_check="skip")
+    ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["f"])],
+                                         bounds_check="skip")
+    kjt = embfuse.KeyedJaggedTensor(["f"], torch.tensor([1, 12]), lengths=torch.tensor([2]))
+    for call in (lambda: m(torch.tensor([[1, 12]])), lambda: ebc(kjt),
+                 lambda: embfuse.embedding(torch.tensor([12]), torch.randn(10, 4), bounds_check="skip")):
+        with pytest.warns(UserWarning, match="skipped 1 out-of-range") as record:
+            call()
+        assert record[0].filename == __file__

@@ -22,7 +22,7 @@ from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tr
 from embfuse.ops._segment import Layout, reduce_segments, table_starts
 from embfuse.ops.validate import (BAD_ID, BAD_OFFSETS, DEFAULT_BOUNDS_CHECK, BadBatchError, BadIdError,
                                   TracedCheck, check_bounds_mode, check_index_dtype,
-                                  launch_bags_check, run_check, traced_mode)
+                                  caller_stacklevel, launch_bags_check, run_check, traced_mode)
 from embfuse.ops.embedding_bag import MEAN, SUM, _config, _config_cached, pool_bag
 
 POOLING = {"sum": SUM, "mean": MEAN}
@@ -470,7 +470,7 @@ def validate_collection(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     bag = bag_of_value(offsets, n)
     bad = (values < 0) | (values >= plan.limits[bag // B])
     first = _bad_value_message(values, bag, bad, plan.limits, B, keys, tables)
-    warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {first}", stacklevel=3)
+    warnings.warn(f"skipped {int(bad.sum())} out-of-range id(s); first: {first}", stacklevel=caller_stacklevel())
     keep = ~bad
     kept = torch.bincount(bag[keep], minlength=FB).to(offsets.dtype)
     offsets = torch.cat([offsets[:1], kept.cumsum(0).to(offsets.dtype)])

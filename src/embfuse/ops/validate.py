@@ -307,6 +307,21 @@ class DeviceLog:
         check.undo.clear()
 
 
+def caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside embfuse and torch's module plumbing (for
+    warnings.warn called from this function's caller): the user's line, even when a module's
+    forward made the call."""
+    import os
+    import sys
+
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plumbing = os.path.join(os.path.dirname(torch.__file__), "nn", "modules")
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((ours, plumbing)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 _LOGS: dict = {}
 
 
@@ -482,7 +497,7 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
     if not flags:
         return indices, offsets, per_sample_weights, check
     msg, count = _bad_id_message(indices, shape, num_embeddings, name)
-    warnings.warn(f"skipped {count} out-of-range id(s); first: {msg}", stacklevel=4)
+    warnings.warn(f"skipped {count} out-of-range id(s); first: {msg}", stacklevel=caller_stacklevel())
     keep = (indices >= 0) & (indices < num_embeddings)
     kept_before = torch.cat([keep.new_zeros(1, dtype=torch.int64), keep.cumsum(0)])
     offsets = kept_before[offsets.long()].to(offsets.dtype)
@@ -511,7 +526,7 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
     if not flags:
         return None, check
     msg, count = _bad_id_message(flat, indices.shape, num_embeddings, name)
-    warnings.warn(f"skipped {count} out-of-range id(s); first: {msg}", stacklevel=4)
+    warnings.warn(f"skipped {count} out-of-range id(s); first: {msg}", stacklevel=caller_stacklevel())
     return (indices >= 0) & (indices < num_embeddings), None
 
 
