@@ -35,7 +35,7 @@ def _seed():
     torch.manual_seed(0)
     yield
     # a deferred error a failing test left unreported must not surface in the next test
-    from embfuse.ops.validate import _LOGS
+    from embfuse.ops.deferred import _LOGS
 
     for log in _LOGS.values():
         log.pending.clear()

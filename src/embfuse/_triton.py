@@ -35,6 +35,25 @@ except ImportError:  # pragma: no cover - exercised by tests/test_import.py in a
         raise RuntimeError("Triton is not installed")
 
 
+class Named(int, tl.constexpr if HAS_TRITON else object):
+    """A named number shared by host and kernels: an int on the host (indexing, comparisons with
+    tensors), a constexpr inside a kernel (Triton reads only constexpr globals). Pooling modes,
+    the columns of a collection's meta rows and optimizer kinds are Named, so kernels say
+    `meta + f * stride_m + DIM` and `MODE == MEAN`, never a bare number."""
+
+    def __new__(cls, value: int):
+        self = int.__new__(cls, value)
+        if HAS_TRITON:
+            tl.constexpr.__init__(self, int(value))
+        return self
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    __hash__ = int.__hash__
+    __eq__ = int.__eq__
+
+
 # Triton decides at @triton.jit time whether a kernel is interpreted: read the variable once,
 # when the kernel modules (which import this one first) are defined
 _INTERPRETING = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"

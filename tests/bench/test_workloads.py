@@ -91,7 +91,7 @@ def test_collection_batch_and_providers_on_cpu():
 def test_rowwise_collection_providers_on_cpu():
     """The row-wise kind trains embfuse's collections with row-wise Adagrad; torch has none."""
     from embfuse.bench.collection import COLLECTION_PROVIDERS, make_batch
-    from embfuse.bench.providers import Unsupported
+    from embfuse.bench.peers import Unsupported
 
     w = Workload("c", "collection-train-rowwise", 1000, 4, 8, 3, "powerlaw", 1.05, tables=5)
     kjt = make_batch(w, "cpu")

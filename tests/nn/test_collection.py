@@ -172,7 +172,7 @@ def test_opcheck_and_compile():
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
                           (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None,
                            torch.zeros(2, dtype=torch.int32), P.meta, P.src_meta, 4, P.total_dim, P.max_dim, L.vec,
-                           L.wide_keys, P.mean))
+                           L.wide_keys, P.scaled, P.sqrtn))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
@@ -230,7 +230,7 @@ def test_statistics_reject_bad_ids_like_the_forward():
 def test_a_batch_of_values_but_no_bags_is_refused(device):
     """Zero bags with some values failed inside torch (issue 17 item 8): on the host the batch
     refuses itself; what reaches the collection's check is refused there."""
-    from embfuse.ops.collection import validate_collection
+    from embfuse.ops.validate import validate_collection
 
     with pytest.raises(ValueError, match="lengths add up to 0 but there are 2 values"):
         KeyedJaggedTensor(["uid"], torch.tensor([1, 2]), lengths=torch.zeros(0, dtype=torch.long), stride=0)
@@ -238,5 +238,5 @@ def test_a_batch_of_values_but_no_bags_is_refused(device):
     plan = ebc._plan(["uid"], ebc.weights.device)
     with pytest.raises(ValueError, match="the batch has no bags but 2 values") as e:
         validate_collection(torch.tensor([1, 2], device=device), torch.zeros(1, dtype=torch.long, device=device),
-                            None, plan, 0, ["uid"], ["user"])
+                            None, plan.limits, 0, ["uid"], ["user"])
     assert isinstance(e.value, RuntimeError)

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import embfuse
-from embfuse.ops.collection import Plan, backward_inputs as collection_backward_inputs, collection_forward
+from embfuse.ops.bags import SUM, backward_inputs
+from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding import embedding_forward
-from embfuse.ops.embedding_bag import SUM, backward_inputs, embedding_bag_forward
-from embfuse.ops.validate import check_errors, device_log
+from embfuse.ops.embedding_bag import embedding_bag_forward, table_backward_inputs
+from embfuse.ops.deferred import check_errors, device_log
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 
 BAD = torch.tensor([1, 2], dtype=torch.int32)  # a failed check's status: flags, ticket
@@ -44,11 +45,11 @@ def test_backward_inputs_of_a_bad_batch_name_no_row():
     ids = torch.tensor([0, 5, 99, -7, 3, 1, 1], device=dev)
     for offsets in ([0, 2, 9, 1], [0, 0, 0, 0], [3, 1, 2, 7]):
         off = torch.tensor(offsets, device=dev)
-        keys, bag, scale = backward_inputs(ids, off, None, 1, -1, kernel=True, num_weights=6, status=_bad(dev))
+        keys, bag, scale = table_backward_inputs(ids, off, None, 1, -1, 6, 4, kernel=True, status=_bad(dev))
         assert bool((keys == -1).all()) and bool(((bag >= 0) & (bag < 3)).all())
         plan = Plan([(6, 8), (4, 8)], [(0, "sum", 0), (1, "mean", 8)], dev)
-        keys, bag, _ = collection_backward_inputs(ids, torch.tensor(offsets + [7], device=dev), None, plan.meta, 2,
-                                                  status=_bad(dev))
+        keys, bag, _ = backward_inputs(ids, torch.tensor(offsets + [7], device=dev), None, plan.meta, 2,
+                                       status=_bad(dev), kernel=True)
         assert bool((keys == -1).all()) and bool(((bag >= 0) & (bag < 4)).all())
 
 

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 
 import embfuse
 from embfuse.ops.embedding import embedding_forward, embedding_reference
-from embfuse.ops import _segment
-from embfuse.ops._segment import (Layout, reduce_segments, rowwise_grad, rowwise_grad_reference, segment_grad,
+from embfuse.ops import tuning
+from embfuse.ops.segments import (Layout, reduce_segments, rowwise_grad, rowwise_grad_reference, segment_grad,
                                   segment_grad_reference, single_table)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close
@@ -87,7 +87,7 @@ def test_backward_hot_row_spanning_tiles(freq, D, tiles, monkeypatch):
     small levels (8 warps), and the one of large levels (one warp a 128 columns: on the GPU the
     run sums are a scan in registers), forced here on a small input."""
     if tiles == "large":
-        monkeypatch.setattr(_segment, "SMALL_LEVEL", 0)
+        monkeypatch.setattr(tuning, "SMALL_LEVEL", 0)
     n = 1200
     ids = torch.randint(0, 50, (n,), device=KERNEL_DEVICE)
     ids[: n * 3 // 4] = 9

@@ -3,9 +3,10 @@ import torch
 import torch.nn.functional as F
 
 import embfuse
+from embfuse.ops.bags import MAX, MEAN, SQRTN, SUM, backward_inputs_reference, single_meta
 from embfuse.ops.embedding_bag import (
-    MAX, MEAN, SUM, backward_inputs, backward_inputs_reference, embedding_bag_backward,
-    embedding_bag_backward_reference, embedding_bag_forward, embedding_bag_reference,
+    embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward, embedding_bag_reference,
+    table_backward_inputs,
 )
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close, random_bags
@@ -25,7 +26,8 @@ def _case(D, dtype, index_dtype, weighted, device=KERNEL_DEVICE, num_bags=7, N=4
 @pytest.mark.parametrize("D", [1, 3, 64, 129])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (MAX, False)])
+@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (MAX, False), (SQRTN, False),
+                                           (SQRTN, True)])
 @pytest.mark.parametrize("padding_idx", [-1, 5])
 def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted, padding_idx):
     weight, ids, offsets, psw = _case(D, dtype, index_dtype, weighted)
@@ -50,7 +52,8 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
 @pytest.mark.parametrize("D", [1, 3, 64, 129])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode,weighted,freq", [(SUM, False, False), (SUM, True, False), (SUM, False, True),
-                                                (MEAN, False, False), (MEAN, False, True), (MAX, False, False)])
+                                                (MEAN, False, False), (MEAN, False, True), (MAX, False, False),
+                                                (SQRTN, False, False), (SQRTN, True, False)])
 @pytest.mark.parametrize("padding_idx", [-1, 5])
 def test_backward_kernel_matches_float64_reference(D, dtype, mode, weighted, freq, padding_idx):
     N = 40
@@ -63,6 +66,37 @@ def test_backward_kernel_matches_float64_reference(D, dtype, mode, weighted, fre
     ref = embedding_bag_backward_reference(grad.double(), ids, offsets, psw64, max_ids, N, mode, padding_idx, freq)
     assert got.dtype == dtype
     assert_close(got, ref, dtype, reduction=ids.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sqrtn_is_tensorflows_combiner(device, weighted):
+    """mode="sqrtn" against TensorFlow's definition written out bag by bag in float64: the
+    weighted sum over sqrt(sum of squared weights), over sqrt(count) unweighted, padding left
+    out, an empty bag (and a bag of zero weights) zeros; gradients through autograd too."""
+    weight = torch.randn(9, 5, dtype=torch.float64, device=device, requires_grad=True)
+    ids = torch.tensor([1, 2, 3, 4, 4, 0, 8, 7, 4], device=device)
+    offsets = torch.tensor([0, 3, 3, 7, 8], device=device)  # bag 1 empty; id 4 is padding, bag 4 only that
+    psw = torch.rand(9, dtype=torch.float64, device=device) + 0.1 if weighted else None
+    if weighted:
+        psw[7] = 0.0  # bag 3 holds one id of weight 0: its sum of squares is 0
+    out = embfuse.embedding_bag(ids, weight, offsets, mode="sqrtn", per_sample_weights=psw, padding_idx=4)
+    bounds = offsets.tolist() + [ids.numel()]
+    want = []
+    for b in range(offsets.numel()):
+        rows, ws = [], []
+        for p in range(bounds[b], bounds[b + 1]):
+            if int(ids[p]) != 4:
+                rows.append(weight[ids[p]])
+                ws.append(psw[p] if weighted else torch.tensor(1.0, dtype=torch.float64, device=device))
+        total = sum((w * r for w, r in zip(ws, rows)), torch.zeros(5, dtype=torch.float64, device=device))
+        norm = torch.sqrt(sum(w * w for w in ws)) if ws else torch.tensor(0.0, dtype=torch.float64, device=device)
+        want.append(total / norm if norm > 0 else total * 0)
+    want = torch.stack(want)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, weight, g)[0], torch.autograd.grad(want, weight, g)[0],
+                               rtol=1e-12, atol=1e-12)
 
 
 @requires_kernels
@@ -265,22 +299,26 @@ def test_large_table_int64_addressing():
 
 
 @requires_kernels
-@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False)])
+@pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (SQRTN, False),
+                                           (SQRTN, True)])
 @pytest.mark.parametrize("padding_idx", [-1, 3])
-@pytest.mark.parametrize("num_weights", [None, 6])
+@pytest.mark.parametrize("num_weights", [6, 2**31])
 def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted, num_weights):
     """Per-position ids, bags and scales of the backward: empty bags, padding (not counted by
-    mean), and positions past the last offset (include_last_offset) that belong to no bag."""
-    indices = torch.randint(0, 6, (150,), device=KERNEL_DEVICE)
-    offsets = torch.tensor([0, 0, 7, 70, 71, 71, 140], device=KERNEL_DEVICE)  # 10 positions past the end
-    psw = torch.rand(150, device=KERNEL_DEVICE) if weighted else None
-    got = backward_inputs(indices, offsets, psw, mode, padding_idx, kernel=True, num_weights=num_weights)
-    want = backward_inputs_reference(indices, offsets, psw, mode, padding_idx)
-    assert got[0].dtype == (torch.int32 if num_weights else indices.dtype)  # the sort keys' type when known
+    mean or sqrtn), weighted sqrtn (its squared weights summed per bag)."""
+    indices = torch.randint(0, 6, (140,), device=KERNEL_DEVICE)
+    offsets = torch.tensor([0, 0, 7, 70, 71, 71, 140], device=KERNEL_DEVICE)
+    psw = torch.rand(140, device=KERNEL_DEVICE) if weighted else None
+    got = table_backward_inputs(indices, offsets, psw, mode, padding_idx, num_weights, 4, kernel=True)
+    want = backward_inputs_reference(indices, offsets, psw, single_meta(num_weights, 4, mode, KERNEL_DEVICE), 6,
+                                     padding_idx, scaled=mode in (MEAN, SQRTN))
+    assert got[0].dtype == (torch.int32 if num_weights < 2**31 else torch.int64)  # the sort keys' type
     assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1])
     keep = want[0] >= 0  # scales of positions that feed nothing do not matter
     assert (got[2] is None) == (want[2] is None)
-    if want[2] is not None:
+    if want[2] is not None and mode == SQRTN and weighted:  # squared weights summed in another order
+        torch.testing.assert_close(got[2][keep], want[2].float()[keep], rtol=1e-6, atol=0)
+    elif want[2] is not None:
         assert torch.equal(got[2][keep], want[2].float()[keep])
 
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from embfuse import EmbeddingBagCollection
-from embfuse.ops.collection import backward_inputs_reference
+from embfuse.ops.bags import ROW_START, backward_inputs, backward_inputs_reference
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from embfuse.optim import hot as hot_module
 from embfuse.optim.fused import collection_update
 from embfuse.optim.hot import HotRows, hot_update
-from embfuse.optim.rules import init_flat_state
+from embfuse.optim.rules import init_state
 from embfuse._triton import cdiv, launch
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.nn.test_collection import random_kjt, tables
@@ -48,7 +48,7 @@ def test_hot_update_matches_the_reference(opt, k, wide, monkeypatch):
     P = plan(KERNEL_DEVICE)
     base = torch.randn(P.num_elements, device=KERNEL_DEVICE)
     w, w64 = base.clone(), base.double()
-    state = init_flat_state(opt, P.num_rows, P.num_elements, KERNEL_DEVICE)
+    state = init_state(opt, P.num_rows, 0, KERNEL_DEVICE, P.num_elements)
     state64 = {k: v.double() for k, v in state.items()}
     other, other_offsets, _ = batch(B, KERNEL_DEVICE, max_len=40)
     other = torch.where(torch.rand(other.shape, device=KERNEL_DEVICE) < 0.8, 0, other)
@@ -104,7 +104,7 @@ def test_split_pass_keys_counts_and_packs_the_cold_values(cap):
         BAGS=8, BLOCK=32)
     want_keys, bag, _ = backward_inputs_reference(values, offsets, None, P.meta, B)
     position = torch.arange(n, device=dev) - offsets[bag]
-    rows = P.meta[:, 4][bag // B] + values
+    rows = P.meta[:, ROW_START][bag // B] + values
     slot = hot.slot[rows].long()
     is_hot = (slot >= 0) & (position < cap)
     assert torch.equal(keys.long(), torch.where(is_hot, -1, want_keys))
@@ -115,10 +115,7 @@ def test_split_pass_keys_counts_and_packs_the_cold_values(cap):
     # pass 2: the cold values' keys, bags and scales, packed in value order
     start = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), cold.long().cumsum(0)])
     m = int(start[-1])
-    out = (torch.full((m,), -7, dtype=torch.int32, device=dev), torch.full((m,), -7, dtype=torch.int32, device=dev),
-           torch.full((m,), -7.0, device=dev))
-    launch(hot_module._cold_kernel)[(cdiv(FB, 8),)](keys, offsets, start, P.meta, *out, FB, B, P.meta.stride(0),
-                                                     HAS_SCALE=True, BAGS=8, BLOCK=32)
+    out = backward_inputs(keys, offsets, None, P.meta, B, wide_keys=False, scaled=True, kernel=True, cold=(start, m))
     _, _, want_scale = backward_inputs_reference(values, offsets, None, P.meta, B)
     assert torch.equal(out[0].long(), want_keys[~is_hot])
     assert torch.equal(out[1].long(), bag[~is_hot])

@@ -17,7 +17,8 @@ import functools
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported, attempt, fbgemm_bounds_check
+from embfuse.bench.peers import Unsupported, fbgemm_tbe
+from embfuse.bench.providers import attempt
 from embfuse.bench.workloads import Workload, generate_ids
 
 # the 26 categorical features of Criteo's Kaggle display-advertising set, capped at the
@@ -92,18 +93,8 @@ def _torch_loop(w, kjt, device, train):
 
 
 def _fbgemm(w, kjt, device, train, checked=True):
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
-        )
-    except ImportError as e:
-        raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in table_rows(w)],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD if _rowwise(w) else EmbOptimType.EXACT_SGD, learning_rate=0.01,
-        bounds_check_mode=fbgemm_bounds_check(checked))
+    tbe = fbgemm_tbe([(r, w.dim) for r in table_rows(w)], optimizer="rowwise" if _rowwise(w) else "sgd",
+                     checked=checked)
 
     def forward(batch):
         return tbe(batch.values(), batch.offsets())

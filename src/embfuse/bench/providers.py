@@ -9,11 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import embfuse
+from embfuse.bench.peers import Unsupported, fbgemm_tbe as _tbe
 from embfuse.bench.workloads import Workload
-
-
-class Unsupported(Exception):
-    pass
 
 
 def attempt(row: dict, measure) -> None:
@@ -61,36 +58,12 @@ def embfuse_unchecked(w, tables, ids, offsets):
     return _lookup(functools.partial(fn, bounds_check="off"), w, tables, ids, offsets)
 
 
-def fbgemm_bounds_check(checked: bool):
-    """FBGEMM's BoundsCheckMode: its default WARNING (checked) or NONE."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-
-    return BoundsCheckMode.WARNING if checked else BoundsCheckMode.NONE
-
-
 def fbgemm_tbe(w, tables, ids, offsets, checked=True):
     """FBGEMM_GPU's table-batched embedding, all tables in one call; its default bounds check
     (WARNING) or none."""
-    try:
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            EmbeddingLocation, PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
-        )
-    except ImportError as e:
-        raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
-    if w.kind == "embedding" or w.mode == "max":
+    if w.kind == "embedding":
         raise Unsupported("TBE measured for sum/mean pooling only")
-    precision = {"float32": SparseType.FP32, "float16": SparseType.FP16, "bfloat16": SparseType.BF16}[w.dtype]
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(t.shape[0], t.shape[1], EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for t in tables],
-        weights_precision=precision, output_dtype=precision,
-        cache_precision=SparseType.FP16 if precision == SparseType.FP16 else SparseType.FP32,
-        pooling_mode=PoolingMode.SUM if w.mode == "sum" else PoolingMode.MEAN,
-        bounds_check_mode=fbgemm_bounds_check(checked),
-    )
+    tbe = _tbe([tuple(t.shape) for t in tables], dtype=w.dtype, pooling=w.mode, checked=checked)
     with torch.no_grad():
         for dst, src in zip(tbe.split_embedding_weights(), tables):
             dst.copy_(src)

@@ -13,7 +13,8 @@ import functools
 import torch
 
 import embfuse
-from embfuse.bench.providers import Unsupported, attempt, fbgemm_bounds_check
+from embfuse.bench.peers import Unsupported, fbgemm_tbe
+from embfuse.bench.providers import attempt
 from embfuse.bench.workloads import Workload, generate_batch
 
 
@@ -79,18 +80,8 @@ def _collection(optimizer, bounds_check="deferred"):
 
 def _fbgemm(kind, checked=True):
     def make(w, ids, device):
-        try:
-            from fbgemm_gpu.split_embedding_configs import EmbOptimType
-            from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-            from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-                ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
-            )
-        except ImportError as e:
-            raise Unsupported(f"fbgemm_gpu does not import: {e}") from None
-        opt = EmbOptimType.EXACT_SGD if kind == "sgd" else EmbOptimType.EXACT_ROWWISE_ADAGRAD
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(w.rows, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for _ in ids],
-            optimizer=opt, learning_rate=0.01, eps=1e-8, bounds_check_mode=fbgemm_bounds_check(checked))
+        tbe = fbgemm_tbe([(w.rows, w.dim)] * len(ids), optimizer="sgd" if kind == "sgd" else "rowwise",
+                         checked=checked)
         flat = torch.cat([x.reshape(-1) for x in ids])
         offs = torch.arange(0, flat.numel() + 1, w.hotness, device=device)
         grad = torch.randn(w.batch, w.dim * len(ids), device=device)

@@ -17,16 +17,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from embfuse.ops.collection import (ROW_START, Plan, bag_of_value, embedding_bag_collection, ranked_rows,
-                                    table_view, validate_collection)
 from embfuse._triton import needs_op
+from embfuse.nn.modules import FusedModule
+from embfuse.ops.bags import ROW_START, bag_of_value
+from embfuse.ops.collection import Plan, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.embedding import lookup_rows
-from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard
-from embfuse.optim.hot import HOT_MIN_VALUES, HotRows
+from embfuse.ops.segments import table_starts
+from embfuse.ops import tuning
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard, validate_collection
+from embfuse.optim.hot import HotRows
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
-from embfuse.nn.modules import _FusedMixin
-from embfuse.ops._segment import table_starts
-from embfuse.optim.rules import init_flat_state
+from embfuse.optim.rules import init_state
 from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
@@ -43,10 +44,11 @@ def _dtype(data_type) -> torch.dtype:
 
 
 def _pooling(pooling) -> str:
-    """"sum" / "mean", or TorchRec's PoolingType.SUM / MEAN."""
+    """"sum" / "mean" (or TorchRec's PoolingType.SUM / MEAN), or "sqrtn" (TensorFlow's combiner:
+    the sum over the square root of the bag's length, or of its weights' sum of squares)."""
     name = getattr(pooling, "name", str(pooling)).lower()
-    if name not in ("sum", "mean"):
-        raise ValueError(f"pooling must be sum or mean (TorchRec's pooling types), got {pooling!r}")
+    if name not in ("sum", "mean", "sqrtn"):
+        raise ValueError(f"pooling must be sum or mean (TorchRec's pooling types) or sqrtn, got {pooling!r}")
     return name
 
 
@@ -79,7 +81,7 @@ class EmbeddingBagConfig(EmbeddingConfig):
     pooling: object = "sum"
 
 
-class _Collection(_FusedMixin, torch.nn.Module):
+class _Collection(FusedModule, torch.nn.Module):
     """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
 
     _prefix = ""  # "embedding_bags" / "embeddings"
@@ -130,9 +132,9 @@ class _Collection(_FusedMixin, torch.nn.Module):
     def embedding_weight(self, name: str) -> Tensor:
         return self.table_weights()[[t.name for t in self.tables].index(name)]
 
-    # --- the optimizer in the backward (flat state; the step count is _FusedMixin's) ---
+    # --- the optimizer in the backward (flat state; the step count is FusedModule's) ---
     def set_optimizer(self, optimizer) -> None:
-        state = init_flat_state(optimizer, self._row_starts[-1], self.weights.numel(), self.weights.device)
+        state = init_state(optimizer, self._row_starts[-1], 0, self.weights.device, self.weights.numel())
         for name, tensor in state.items():
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = FusedOptimizer(optimizer, 0, 0, self.weights.device, state=state)
@@ -169,7 +171,7 @@ class _Collection(_FusedMixin, torch.nn.Module):
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
-        values, offsets, _, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan, B, keys,
+        values, offsets, _, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan.limits, B, keys,
                                                     [self.tables[self._table_of[k]].name for k in keys], "sync")
         T, dev = len(self.tables), values.device
         starts = torch.tensor(self._row_starts, device=dev)
@@ -212,7 +214,7 @@ class EmbeddingBagCollection(_Collection):
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
                  bounds_check: str = DEFAULT_BOUNDS_CHECK, hot_rows: int = 0, hot_refresh: int = 100,
-                 hot_min_values: int = HOT_MIN_VALUES):
+                 hot_min_values: int = tuning.HOT_MIN_VALUES):
         for t in tables:
             _pooling(t.pooling)
         super().__init__(tables, device, optimizer, bounds_check)
@@ -253,7 +255,8 @@ class EmbeddingBagCollection(_Collection):
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
         fused = self._fused_now()
         values, offsets, psw, check = validate_collection(
-            kjt.values(), kjt.offsets(), psw, plan, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
+            [self.tables[self._feature[k][0]].name for k in keys],
             self.bounds_check, fresh=fused is not None or needs_op(self.weights))
         if fused is not None:
             hot = self._hot
@@ -302,7 +305,8 @@ class EmbeddingCollection(_Collection):
         plan = self._plan(keys, self.weights.device)
         fused = self._fused_now()
         values, offsets, _, check = validate_collection(
-            kjt.values(), kjt.offsets(), None, plan, B, keys, [self.tables[self._table_of[k]].name for k in keys],
+            kjt.values(), kjt.offsets(), None, plan.limits, B, keys,
+            [self.tables[self._table_of[k]].name for k in keys],
             self.bounds_check, fresh=fused is not None or needs_op(self.weights))
         status = None if check is None else check.status
         # a bad batch's offsets and bags could index anywhere: guarded to 0 (its lookup gives zeros)

@@ -17,7 +17,10 @@ from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
 
-class _FusedMixin:
+class FusedModule:
+    """What every embfuse module with `optimizer=` shares: the fused optimizer, its state
+    buffers (moved by .to(), kept fp32 by .half()) and its step count in the state_dict."""
+
     def _init_fused(self, bounds_check, optimizer):
         self.bounds_check = bounds_check
         self._fused = None
@@ -27,7 +30,8 @@ class _FusedMixin:
     def set_optimizer(self, optimizer) -> None:
         """Update this table inside the backward with `optimizer` from now on (fresh state)."""
         if getattr(self, "mode", "sum") == "max" or self.scale_grad_by_freq or self.sparse:
-            raise ValueError(f"a fused optimizer supports sum and mean pooling without scale_grad_by_freq or sparse; "
+            raise ValueError(f"a fused optimizer supports sum, mean and sqrtn pooling without scale_grad_by_freq or "
+                             f"sparse; "
                              f"this module has mode={getattr(self, 'mode', None)!r}, "
                              f"scale_grad_by_freq={self.scale_grad_by_freq}, sparse={self.sparse}")
         fused = FusedOptimizer(optimizer, self.num_embeddings, self.embedding_dim, self.weight.device)
@@ -85,7 +89,7 @@ class _FusedMixin:
                                       error_msgs)
 
 
-class Embedding(_FusedMixin, torch.nn.Embedding):
+class Embedding(FusedModule, torch.nn.Embedding):
     """`torch.nn.Embedding` with embfuse's lookup. `bounds_check` as in `embfuse.embedding`."""
 
     def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None, **kwargs):
@@ -101,7 +105,7 @@ class Embedding(_FusedMixin, torch.nn.Embedding):
         return embedding(*args, bounds_check=self.bounds_check)
 
 
-class EmbeddingBag(_FusedMixin, torch.nn.EmbeddingBag):
+class EmbeddingBag(FusedModule, torch.nn.EmbeddingBag):
     """`torch.nn.EmbeddingBag` with embfuse's pooled lookup."""
 
     def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None, **kwargs):

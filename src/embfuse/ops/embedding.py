@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, triton, use_kernels
-from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, triton, use_kernels
+from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
+from embfuse.ops import tuning
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_ids)
 
@@ -44,8 +45,7 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
     out = torch.empty(n, D, dtype=weight.dtype, device=weight.device)
     if n == 0 or D == 0:
         return out
-    block_d = min(next_pow2(D), 256)
-    block_n = max(1, min(64, 2048 // block_d))
+    block_n, block_d = tuning.gather_shape(D)
     launch(_embedding_fwd_kernel)[(cdiv(n, block_n), cdiv(D, block_d))](
         weight, indices, status if status is not None else indices, out, n, D, weight.stride(0), out.stride(0),
         STATUS=status is not None, BLOCK_N=block_n, BLOCK_D=block_d
@@ -53,7 +53,8 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
     return out
 
 
-def _forward_impl(weight, indices, status=None):
+def gather(weight, indices, status=None):
+    """The forward without the op's dispatch: kernel or reference by device and dtype."""
     if use_kernels(weight) and weight.is_floating_point():  # (integer tables: torch's gather)
         return embedding_forward(weight, indices, status)
     if status is not None:  # torch's gather would fault on a bad id: a bad batch gives zeros
@@ -69,7 +70,7 @@ def guarded_ids(indices, status):
 @kernel_op("embfuse::embedding", mutates_args=())
 def _embedding_op(weight: Tensor, indices: Tensor, status: Optional[Tensor], padding_idx: int,
                   scale_grad_by_freq: bool, sparse: int) -> Tensor:
-    return _forward_impl(weight, indices, status)
+    return gather(weight, indices, status)
 
 
 @_embedding_op.register_fake
@@ -232,4 +233,4 @@ def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=Fa
     registered op when autograd or tracing needs it, else straight to the kernel."""
     if needs_op(weight):
         return _embedding_op(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
-    return _forward_impl(weight, flat, status)
+    return gather(weight, flat, status)

@@ -3,9 +3,11 @@
     out[b, :] = pool over p in [offsets[b], offsets[b+1]) with ids[p] != padding_idx of
                 w[p] * weight[ids[p], :]
 
-pool = sum (w = per_sample_weights or 1), mean (sum / number of pooled ids) or max (per column;
-w = 1); an empty bag gives zeros. Inputs are brought to one canonical form first: 1-D ids and
-B+1 offsets (the last is where the last bag ends), whatever torch form the caller used.
+pool = sum (w = per_sample_weights or 1), mean (sum / number of pooled ids), sqrtn (sum / sqrt
+of the sum of squared weights: TensorFlow's combiner, an extension) or max (per column; w = 1);
+an empty bag gives zeros. The pooling rules are ops/bags.py's (a single table is its F = 1).
+Inputs are brought to one canonical form first: 1-D ids and B+1 offsets (the last is where the
+last bag ends), whatever torch form the caller used.
 """
 
 from __future__ import annotations
@@ -16,42 +18,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, next_pow2, tl, tracing, triton, use_kernels
-from embfuse.ops._segment import rowwise_sparse_grad, segment_grad, segment_grad_reference
-from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, BadArgumentError, BadDtypeError, UnsupportedError,
-                                  check_bounds_mode, check_device,
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
+from embfuse.ops.bags import (MAX, POOLINGS, SCALED, SQRTN, SUM, accumulation, backward_inputs, bag_norms_reference,
+                              pool_bag, pool_norm, pooled_values, single_meta)
+from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
+from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
+from embfuse.ops import tuning
+from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
-
-SUM, MEAN, MAX = 0, 1, 2
-MODES = {"sum": SUM, "mean": MEAN, "max": MAX}
-
-
-def _bag_of_position(indices: Tensor, offsets: Tensor) -> Tensor:
-    """Bag id of every position; B for positions after the last bag (include_last_offset)."""
-    pos = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, pos, right=True) - 1
-
-
-def _pooled(indices: Tensor, offsets: Tensor, padding_idx: int) -> tuple[Tensor, Tensor]:
-    """(mask of positions that take part in a bag: inside [offsets[0], offsets[-1]), not padding;
-    each position's bag, clamped to the last): one search for both."""
-    B = offsets.numel() - 1
-    bag = _bag_of_position(indices, offsets)
-    keep = bag < B
-    if padding_idx >= 0:
-        keep &= indices != padding_idx
-    return keep, bag.clamp(max=max(B - 1, 0)).long()
-
-
-def _bag_sizes(keep: Tensor, offsets: Tensor) -> Tensor:
-    before = torch.cat([keep.new_zeros(1, dtype=torch.int64), keep.long().cumsum(0)])
-    off = offsets.long()
-    return before[off[1:]] - before[off[:-1]]
-
-
-def accumulation(t: Tensor) -> torch.dtype:
-    """The dtype sums over `t` are taken in: float64 for float64, else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
@@ -81,8 +55,8 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     """Pure torch on any device: (output, max_ids). max_ids[b, d] is the id whose row gave the
     max (first one on ties, -1 for an empty bag) in max mode, else an empty tensor."""
     B, D = offsets.numel() - 1, weight.shape[1]
-    acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    keep, bag = _pooled(indices, offsets, padding_idx)
+    acc_dtype = accumulation(weight)
+    keep, bag = pooled_values(indices, offsets, padding_idx)
     rows = weight[indices.long()].to(acc_dtype)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.to(acc_dtype)[:, None]
@@ -90,76 +64,10 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     if mode == MAX:
         return _max_reference(rows, keep, bag, indices, B, D, out.dtype, weight.dtype)
     out.index_add_(0, bag, torch.where(keep[:, None], rows, 0))  # (not a product: 0 * NaN is NaN)
-    if mode == MEAN:
-        out /= _bag_sizes(keep, offsets).clamp(min=1)[:, None]
+    if mode in SCALED:
+        meta = single_meta(weight.shape[0], D, mode, weight.device)
+        out /= bag_norms_reference(indices, offsets, per_sample_weights, meta, B, padding_idx, acc_dtype)[2][:, None]
     return out.to(weight.dtype), indices.new_empty(0, dtype=torch.int64)
-
-
-@triton.jit
-def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-             MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr,
-             BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
-    """Pool rows ids[start:end] of `weight` over columns `cols`: (fp32 result, max ids)."""
-    lane = tl.arange(0, BLOCK_L)
-    # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
-    # reduction per step would cross warps (shared memory + barrier) and stall the gathers
-    if MODE == 2:
-        acc = tl.full([BLOCK_L, BLOCK_D], float("-inf"), dtype=tl.float32)
-        best_pos = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
-        best_id = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
-        # each lane's first pooled value (NaN included): torch keeps a NaN that comes first
-        first_pos = tl.full([BLOCK_L], 9223372036854775807, dtype=tl.int64)
-        first_val = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-        first_id = tl.full([BLOCK_L], -1, dtype=tl.int64)
-    else:
-        acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    count = tl.zeros([BLOCK_L], dtype=tl.int32)
-    for s in range(start, end, BLOCK_L):
-        pos = s + lane
-        lmask = pos < end
-        ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)
-        if HAS_PADDING:
-            lmask = lmask & (ids != padding_idx)
-        m2 = lmask[:, None] & cmask[None, :]
-        # a BLOCK_L x BLOCK_D tile of gathered rows: many independent loads in flight
-        rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2, other=0.0,
-                       eviction_policy=EVICT).to(tl.float32)
-        if HAS_PSW:
-            rows = rows * tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)[:, None]
-        if MODE == 2:
-            # strict: a later equal value never replaces an earlier one (torch keeps the first);
-            # NaN is passed over here, and the lane's first number is taken even if -inf
-            better = m2 & (rows == rows) & ((rows > acc) | (best_pos < 0))
-            new = lmask & (first_pos == 9223372036854775807)
-            first_pos = tl.where(new, pos, first_pos)
-            first_id = tl.where(new, ids, first_id)
-            first_val = tl.where(new[:, None], rows, first_val)
-            acc = tl.where(better, rows, acc)
-            best_pos = tl.where(better, pos[:, None], best_pos)
-            best_id = tl.where(better, ids[:, None], best_id)
-        else:
-            acc += rows
-        if MODE == 1:
-            count += lmask.to(tl.int32)
-    if MODE == 2:
-        top = tl.max(acc, axis=0)
-        # among lanes holding the max, the earliest position wins
-        first = tl.min(tl.where((acc == top[None, :]) & (best_pos >= 0), best_pos, 9223372036854775807), axis=0)
-        best = tl.max(tl.where(best_pos == first[None, :], best_id, -1), axis=0)
-        result = tl.where(best >= 0, top, 0.0)
-        # the bag's first pooled value, if NaN, is the result (and gets the gradient)
-        p0 = tl.min(first_pos, axis=0)
-        at0 = (first_pos == p0)[:, None]
-        v0 = tl.sum(tl.where(at0, first_val, 0.0), axis=0)
-        nan0 = v0 != v0
-        result = tl.where(nan0, v0, result)
-        best = tl.where(nan0, tl.max(tl.where(first_pos == p0, first_id, -1), axis=0), best)
-    else:
-        best = tl.zeros([BLOCK_D], dtype=tl.int64)
-        result = tl.sum(acc, axis=0)
-        if MODE == 1:
-            result = result / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
-    return result, best
 
 
 @triton.jit
@@ -175,30 +83,13 @@ def _embedding_bag_fwd_kernel(
     end = tl.load(offsets + bag + 1).to(tl.int64)
     if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
         end = tl.where(tl.load(status) == 0, end, start)
-    result, best = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-                            MODE, HAS_PSW, HAS_PADDING, BLOCK_L, BLOCK_D, EVICT)
-    if MODE == 2:
+    result, best, count, sumsq = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
+                                          MODE, HAS_PSW, HAS_PADDING, MODE == SQRTN, BLOCK_L, BLOCK_D, EVICT)
+    if MODE != SUM and MODE != MAX:
+        result = result / pool_norm(MODE, count, sumsq)
+    if MODE == MAX:
         tl.store(max_ids + bag * D + cols, best, mask=cmask)
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
-
-
-@functools.lru_cache(maxsize=256)
-def _config_cached(D: int, avg_bag: int) -> dict:
-    return _config(D, avg_bag)
-
-
-def _config(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
-    """Launch shape rule: cover D in one program up to 256 columns; stack rows so that a tile
-    holds about `elems` elements, but no more rows than a bag holds. One warp a program and
-    256-element tiles (8 per thread): an H100 sweep over 256-8192 elements x 1/2/4/8 warps
-    (benchmarks/NOTES.md) found this within 3% of the best on each of fp32/fp16 x D 32/128 x
-    uniform/power-law ids; larger programs lose more to their slowest bag and hold fewer bags in
-    flight. `overrides` (sweeps) replaces any of: elems, block_l, block_d, num_warps, evict."""
-    cfg = {"elems": 256, "num_warps": 1, "evict": ""}
-    cfg.update(overrides or {})
-    block_d = cfg.get("block_d") or min(next_pow2(D), 256)
-    block_l = cfg.get("block_l") or max(1, min(cfg["elems"] // block_d, 64, next_pow2(max(1, int(avg_bag)))))
-    return {"BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": cfg["num_warps"], "EVICT": cfg["evict"]}
 
 
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
@@ -217,9 +108,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         max_ids = torch.empty(0, dtype=torch.int64, device=weight.device)
     if B == 0 or D == 0:
         return out, max_ids
-    avg = next_pow2(max(1, indices.numel() // B))
-    # sizes are symbolic while tracing (dynamic shapes): only concrete ones are cached
-    cfg = _config(D, avg, config) if config or tracing() else _config_cached(D, avg)
+    cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing())
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         weight, indices, offsets,
         per_sample_weights if per_sample_weights is not None else weight, status if status is not None else offsets,
@@ -230,83 +119,11 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     return out, max_ids
 
 
-def backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx, dtype=torch.float32):
-    """Per-position (row id or -1, source bag row, scale or None) for the segment reduction;
-    the mean scale 1 / count in `dtype`, the accumulation dtype (float64 for float64 tables)."""
-    keep, bag = _pooled(indices, offsets, padding_idx)
-    ids = torch.where(keep, indices.long(), -1)
-    scale = per_sample_weights
-    if mode == MEAN:
-        scale = 1.0 / _bag_sizes(keep, offsets).clamp(min=1).to(dtype)[bag]
-    return ids, bag, scale
-
-
-@triton.jit
-def _backward_inputs_kernel(indices, offsets, psw, status, ids, bag_out, scale_out, n, B, padding_idx,
-                            HAS_PADDING: tl.constexpr, MEAN: tl.constexpr, HAS_PSW: tl.constexpr,
-                            STATUS: tl.constexpr, BLOCK: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64)  # one bag
-    start = tl.load(offsets + g).to(tl.int64)
-    end = tl.load(offsets + g + 1).to(tl.int64)
-    stop = tl.where(g == B - 1, n, end)  # positions after the last bag belong to none
-    if STATUS:  # a bad batch: every position gets row -1, the bags splitting [0, n) evenly
-        bad = tl.load(status) != 0
-        chunk = (n + B - 1) // B
-        start = tl.where(bad, tl.minimum(g * chunk, n), start)
-        stop = tl.where(bad, tl.minimum(start + chunk, n), stop)
-        end = tl.where(bad, start, end)
-    scale = 1.0
-    if MEAN:  # over the pooled (non-padding) positions
-        count = end - start
-        if HAS_PADDING:
-            count = count * 0  # (an int64 zero: the loop keeps its type)
-            for i in range(start, end, BLOCK):
-                p = i + tl.arange(0, BLOCK)
-                count += tl.sum(((p < end) & (tl.load(indices + p, mask=p < end, other=0) != padding_idx))
-                                .to(tl.int64), axis=0)
-        scale = tl.math.div_rn(1.0, tl.maximum(count, 1).to(tl.float32))  # IEEE, as torch divides
-    for i in range(start, stop, BLOCK):
-        p = i + tl.arange(0, BLOCK)
-        m = p < stop
-        v = tl.load(indices + p, mask=m, other=0)
-        keep = p < end
-        if HAS_PADDING:
-            keep = keep & (v != padding_idx)
-        tl.store(ids + p, tl.where(keep, v, -1).to(ids.dtype.element_ty), mask=m)
-        tl.store(bag_out + p, g.to(bag_out.dtype.element_ty), mask=m)
-        if HAS_PSW:
-            tl.store(scale_out + p, tl.load(psw + p, mask=m, other=0.0).to(tl.float32), mask=m)
-        elif MEAN:
-            tl.store(scale_out + p, scale + tl.zeros([BLOCK], tl.float32), mask=m)
-
-
-def backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=None, num_weights=None,
-                    status=None, dtype=torch.float32):
-    """`backward_inputs_reference` in one launch (a program a bag) instead of about ten torch
-    ops; bags int32 while they fit, ids int32 for tables of fewer than 2^31 rows (`num_weights`;
-    the sort keys' type, so the segment reduction converts nothing), else the indices' dtype.
-    `kernel`: force the kernel (True, as the kernel backward does, interpreted on the CPU in
-    tests) or the torch ops; None: by device. `status`: the batch's deferred check (a bad
-    batch gives every position row -1). `dtype`: the scales' (float64 for float64 tables,
-    which take the torch ops; the kernel's are float32)."""
-    if not (use_kernels(indices) and dtype != torch.float64 if kernel is None else kernel):
-        if status is not None:
-            indices, offsets = guard(indices, status, -1), guard(offsets, status, 0)
-        return backward_inputs_reference(indices, offsets, per_sample_weights, mode, padding_idx, dtype)
-    n, B = indices.numel(), offsets.numel() - 1
-    dev = indices.device
-    narrow = num_weights is not None and num_weights < 2**31
-    ids = torch.empty(n, dtype=torch.int32 if narrow else indices.dtype, device=dev)
-    bag = torch.empty(n, dtype=torch.int32 if B < 2**31 else torch.int64, device=dev)
-    scaled = per_sample_weights is not None or mode == MEAN
-    scale = torch.empty(n if scaled else 0, dtype=torch.float32, device=dev)
-    if n and B:
-        launch(_backward_inputs_kernel)[(B,)](
-            indices, offsets, per_sample_weights if per_sample_weights is not None else scale,
-            status if status is not None else offsets, ids, bag, scale, n, B, padding_idx,
-            HAS_PADDING=padding_idx >= 0, MEAN=mode == MEAN, HAS_PSW=per_sample_weights is not None,
-            STATUS=status is not None, BLOCK=64)
-    return ids, bag, scale if scaled else None
+def table_backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, num_weights, dim, **kwargs):
+    """bags.backward_inputs for one (num_weights, dim) table pooled by `mode` (F = 1)."""
+    return backward_inputs(indices, offsets, per_sample_weights, single_meta(num_weights, dim, mode, indices.device),
+                           offsets.numel() - 1, padding_idx=padding_idx, wide_keys=num_weights >= 2**31,
+                           scaled=mode in SCALED, sqrtn=mode == SQRTN, **kwargs)
 
 
 def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
@@ -319,7 +136,8 @@ def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, 
         return g.view(num_weights, D)
     if offsets.numel() == 1:
         return torch.zeros(num_weights, D, dtype=grad.dtype, device=grad.device)
-    ids, bag, scale = inputs(indices, offsets, per_sample_weights, mode, padding_idx, dtype=accumulation(grad))
+    ids, bag, scale = inputs(indices, offsets, per_sample_weights, mode, padding_idx, num_weights, D,
+                             dtype=accumulation(grad))
     return reduce(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
 
 
@@ -327,7 +145,7 @@ def embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights,
                                      padding_idx, scale_grad_by_freq, status=None):
     return _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
                      scale_grad_by_freq, segment_grad_reference,
-                     functools.partial(backward_inputs, kernel=False, status=status))
+                     functools.partial(table_backward_inputs, kernel=False, status=status))
 
 
 def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
@@ -335,10 +153,11 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
     """Dense weight gradient through the deterministic Triton segment reduction."""
     return _backward(grad.contiguous(), indices, offsets, per_sample_weights, max_ids, num_weights, mode,
                      padding_idx, scale_grad_by_freq, segment_grad,
-                     functools.partial(backward_inputs, kernel=True, num_weights=num_weights, status=status))
+                     functools.partial(table_backward_inputs, kernel=True, status=status))
 
 
-def _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None):
+def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None):
+    """The forward without the op's dispatch: (output, max ids), kernel or reference by device."""
     if use_kernels(weight) and weight.dtype != torch.float64:
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                      with_max_ids=with_max_ids, status=status)
@@ -352,7 +171,7 @@ def _embedding_bag_op(
     weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], status: Optional[Tensor],
     mode: int, padding_idx: int, scale_grad_by_freq: bool, sparse: int,
 ) -> tuple[Tensor, Tensor]:
-    return _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, status=status)
+    return pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, status=status)
 
 
 @_embedding_bag_op.register_fake
@@ -388,8 +207,8 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     if offsets.numel() == 1:
         return torch.sparse_coo_tensor(indices.new_empty(1, 0).long(), grad.new_empty(0, D), (num_weights, D),
                                        check_invariants=False)
-    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=False,
-                                      status=status, dtype=accumulation(grad))
+    ids, bag, scale = table_backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, num_weights, D,
+                                            kernel=False, status=status, dtype=accumulation(grad))
     keep = ids >= 0
     values = torch.where(keep[:, None], grad[bag], 0)
     if scale is not None:
@@ -410,8 +229,8 @@ def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode,
     if offsets.numel() == 1:  # no bags: no position names a row
         return rowwise_sparse_grad(indices.new_empty(0).long(), grad[:0], None, None, num_weights, padding_idx,
                                    False, False)
-    ids, bag, scale = backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, kernel=kernel,
-                                      num_weights=num_weights, status=status, dtype=accumulation(grad))
+    ids, bag, scale = table_backward_inputs(indices, offsets, per_sample_weights, mode, padding_idx, num_weights,
+                                            grad.shape[1], kernel=kernel, status=status, dtype=accumulation(grad))
     return rowwise_sparse_grad(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, kernel)
 
 
@@ -420,7 +239,7 @@ def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, st
     if status is not None:  # a bad batch: no position is pooled
         indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     B = offsets.numel() - 1
-    keep, bag = _pooled(indices, offsets, padding_idx)
+    keep, bag = pooled_values(indices, offsets, padding_idx)
     acc = torch.promote_types(grad.dtype, torch.float32)
     dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
     return torch.where(keep, dots, 0).to(psw.dtype)
@@ -510,14 +329,15 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
-    if mode not in MODES:
-        raise ValueError(f"mode has to be one of 'sum', 'mean' or 'max', got {mode!r}")
+    if mode not in POOLINGS:
+        raise ValueError(f"mode has to be one of 'sum', 'mean', 'max' or 'sqrtn', got {mode!r}")
     check_device(name, input, weight)
     check_device("offsets", offsets, weight)
     check_device("per_sample_weights", per_sample_weights, weight)
     if per_sample_weights is not None:
-        if mode != "sum":
-            raise UnsupportedError(f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})")
+        if mode not in ("sum", "sqrtn"):
+            raise UnsupportedError(f"per_sample_weights is only supported for mode='sum' (and embfuse's 'sqrtn'; "
+                                   f"got mode={mode!r})")
         if not per_sample_weights.is_floating_point():
             raise BadDtypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
         if per_sample_weights.dtype != weight.dtype:
@@ -545,7 +365,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight
-    return indices, offsets, per_sample_weights, MODES[mode], padding_idx, check
+    return indices, offsets, per_sample_weights, POOLINGS[mode], padding_idx, check
 
 
 def embedding_bag(
@@ -566,6 +386,9 @@ def embedding_bag(
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding_bag`.
 
+    mode: torch's "sum", "mean", "max", and "sqrtn" (an extension: the sum over the square root
+    of the bag's sum of squared per_sample_weights, of its count without them; TensorFlow's
+    combiner, see ops/bags.py).
     sparse: False, True (torch's sparse COO gradient, one entry per pooled id) or "rowwise"
     (one entry per distinct row, summed deterministically: a sparse COO tensor whose
     `_indices()[0]` are the touched rows, ascending, and `_values()` their gradient rows; it
@@ -587,6 +410,6 @@ def embedding_bag(
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
-        out, _ = _forward_impl(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
+        out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
                                status=status)
     return out

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import tl, triton, use_kernels
-from embfuse.ops._segment import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
-from embfuse.ops.collection import (DIM, OUT_COL, POOL, ROW_START, backward_inputs, bag_of_value, feature_slices,
-                                    one_width, table_view)
-from embfuse.ops.embedding_bag import MEAN, accumulation
-from embfuse.ops.validate import known_good
-from embfuse.optim.rules import stochastic_round_reference
+from embfuse.ops.bags import DIM, OUT_COL, ROW_START, accumulation, backward_inputs, backward_inputs_reference
+from embfuse.ops.collection import one_width, table_view
+from embfuse.ops.deferred import known_good
+from embfuse.ops.segments import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
+from embfuse.ops import tuning
+from embfuse.optim.rules import ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, SGD_KIND, Hyper, stochastic_round_reference
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -53,38 +53,37 @@ def _rowwise_state(state1, row, done, g, D):
 
 
 @triton.jit
-def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                 seed, VEC: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, WD: tl.constexpr,
-                 DROP: tl.constexpr):
+def _update_rows(weight, state1, state2, g, rate, row, D, base, done, hp, seed, VEC: tl.constexpr,
+                 BLOCK_D: tl.constexpr, KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr):
     """Apply the rule to the rows `done` of a group: g their summed gradients, base their first
-    weight element (element-wise state shares the weights' layout), row their global row. For
-    row-wise Adagrad without weight decay (WD), `rate` is each row's step size, already taken
-    (its state already written)."""
+    weight element (element-wise state shares the weights' layout), row their global row, hp the
+    step's Hyper. For row-wise Adagrad without weight decay (WD), `rate` is each row's step size,
+    already taken (its state already written)."""
     cols = columns(BLOCK_D)
     m = done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
     # the 16-byte groups restated: Triton loses them when `base` went through a split
     at = tl.max_contiguous(tl.multiple_of(base[:, None] + cols[None, :], [1, VEC]), [1, VEC])
     w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
     if WD:
-        g = g + weight_decay * w
-    if KIND == 0:  # SGD
-        w = w - lr * g
-    elif KIND == 1:  # Adagrad
+        g = g + hp.weight_decay * w
+    if KIND == SGD_KIND:
+        w = w - hp.lr * g
+    elif KIND == ADAGRAD_KIND:
         s = tl.load(state1 + at, mask=m, other=0.0) + g * g
         tl.store(state1 + at, s, mask=m)
-        w = w - lr * g / (tl.sqrt(s) + eps)
-    elif KIND == 2:  # row-wise Adagrad: one value per global row; whole rows are in this program
+        w = w - hp.lr * g / (tl.sqrt(s) + hp.eps)
+    elif KIND == ROWWISE_ADAGRAD_KIND:  # one value per global row; whole rows are in this program
         if WD:
-            w = w - lr * g / (tl.sqrt(_rowwise_state(state1, row, done, g, D))[:, None] + eps)
+            w = w - hp.lr * g / (tl.sqrt(_rowwise_state(state1, row, done, g, D))[:, None] + hp.eps)
         else:
             w = w - rate[:, None] * g
     else:  # Adam; lr arrives divided by the first bias correction
         mo = tl.load(state1 + at, mask=m, other=0.0)
-        mo = mo + (1.0 - beta1) * (g - mo)
-        v = tl.load(state2 + at, mask=m, other=0.0) * beta2 + (1.0 - beta2) * g * g
+        mo = mo + (1.0 - hp.beta1) * (g - mo)
+        v = tl.load(state2 + at, mask=m, other=0.0) * hp.beta2 + (1.0 - hp.beta2) * g * g
         tl.store(state1 + at, mo, mask=m)
         tl.store(state2 + at, v, mask=m)
-        w = w - lr * mo / (tl.sqrt(v) / bc2_sqrt + eps)
+        w = w - hp.lr * mo / (tl.sqrt(v) / hp.bc2_sqrt + hp.eps)
     if DROP > 0:  # stochastic rounding: DROP random bits added below the stored precision, then cut
         noise = tl.randint(seed, at) >> (32 - DROP)  # uint32 throughout: shifts keep the type
         w = (((w.to(tl.uint32, bitcast=True) + noise) >> DROP) << DROP).to(tl.float32, bitcast=True)
@@ -92,9 +91,9 @@ def _update_rows(weight, state1, state2, g, rate, row, D, base, done, lr, eps, w
 
 
 @triton.jit
-def _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2,
-                   bc2_sqrt, seed, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                   KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr):
+def _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed, VEC: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, WD: tl.constexpr,
+                   DROP: tl.constexpr, QUARTERS: tl.constexpr):
     """`_update_rows` on each half of the rows in turn (on each quarter if QUARTERS)."""
     g0, g1 = _row_halves(g, BLOCK_K, BLOCK_D)
     q0, q1 = _halves(rate, BLOCK_K)
@@ -103,15 +102,13 @@ def _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps,
     b0, b1 = _halves(base, BLOCK_K)
     k0, k1 = _halves(done, BLOCK_K)
     if QUARTERS:
-        _update_halves(weight, state1, state2, g0, q0, r0, d0, b0, k0, lr, eps, weight_decay, beta1, beta2,
-                       bc2_sqrt, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND, WD, DROP, False)
-        _update_halves(weight, state1, state2, g1, q1, r1, d1, b1, k1, lr, eps, weight_decay, beta1, beta2,
-                       bc2_sqrt, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND, WD, DROP, False)
+        _update_halves(weight, state1, state2, g0, q0, r0, d0, b0, k0, hp, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND,
+                       WD, DROP, False)
+        _update_halves(weight, state1, state2, g1, q1, r1, d1, b1, k1, hp, seed, VEC, BLOCK_K // 2, BLOCK_D, KIND,
+                       WD, DROP, False)
     else:
-        _update_rows(weight, state1, state2, g0, q0, r0, d0, b0, k0, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                     seed, VEC, BLOCK_D, KIND, WD, DROP)
-        _update_rows(weight, state1, state2, g1, q1, r1, d1, b1, k1, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                     seed, VEC, BLOCK_D, KIND, WD, DROP)
+        _update_rows(weight, state1, state2, g0, q0, r0, d0, b0, k0, hp, seed, VEC, BLOCK_D, KIND, WD, DROP)
+        _update_rows(weight, state1, state2, g1, q1, r1, d1, b1, k1, hp, seed, VEC, BLOCK_D, KIND, WD, DROP)
 
 
 # the seed is the step number: specialising on it (1, multiples of 16) would compile new
@@ -124,20 +121,21 @@ def _fused_update_kernel(
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
+    hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
         FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
-    if KIND == 2 and not WD:
-        rate = lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + eps)
+    if KIND == ROWWISE_ADAGRAD_KIND and not WD:
+        rate = hp.lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + hp.eps)
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)
     # the rows updated a half (QUARTERS: a quarter) at a time: the summed rows, the weights and
-    # the state of the whole tile do not fit in registers together (see update_in_quarters)
-    _update_halves(weight, state1, state2, g, rate, row, D, base, done, lr, eps, weight_decay, beta1, beta2, bc2_sqrt,
-                   seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP, QUARTERS)
+    # the state of the whole tile do not fit in registers together (see tuning.update_in_quarters)
+    _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP,
+                   QUARTERS)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
@@ -146,40 +144,13 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     if keys.numel() == 0 or layout.max_dim == 0:
         return
     states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
-    scalars = optimizer.scalars(step)
-    wd = scalars[2] != 0
+    hyper = optimizer.hyper(step)
     segments = Segments(keys, layout, src, **src_args)
-    columns = update_columns(optimizer)
+    columns = tuning.update_columns(optimizer.element_states)
     segments.launch(
-        _fused_update_kernel, weight, states[0], states[1], *scalars, step, KIND=optimizer.kind, WD=wd,
-        DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
-        QUARTERS=update_in_quarters(optimizer, segments.width(columns)))
-
-
-def _element_states(optimizer) -> int:
-    """How many element-wise state tensors the rule keeps (Adagrad 1, Adam 2)."""
-    return sum(per == "element" for per, _ in optimizer.state_spec().values())
-
-
-def update_columns(optimizer):
-    """Columns a program updates (Segments.launch): whole rows without element-wise state (SGD;
-    row-wise Adagrad needs them), else 64 with one state tile beside the weights (Adagrad) and
-    32 with two (Adam). H100, the 26 x 1M x 128 collection step (benchmarks/NOTES.md, session
-    7), columns 128 / 64 / 32: SGD 2749 / 2833 / 2914 us, Adagrad 4686 / 3586 / 3817, Adam 6825
-    / 6125 / 4630."""
-    element = _element_states(optimizer)
-    return 128 >> element if element else None
-
-
-def update_in_quarters(optimizer, width: int) -> bool:
-    """Whether a program updates its tile of `width` columns a quarter of the rows at a time
-    (else a half): with element-wise state or at 128 columns and more. H100
-    (benchmarks/NOTES.md, sessions 6 and 7): level 1 of the 26 x 1M x 128 step in 1 / 2 / 4
-    groups, SGD 1677 / 1590 / 1605 us, row-wise Adagrad 2626 / 2148 / 2110, Adagrad 11242 / 4303
-    / 3472, Adam 15956 / 8560 / 5555; steps in 2 / 4 groups, twice on one instance: Criteo SGD
-    21245 / 20783 us (B65536), 26 x 1M x 128 row-wise 3208 / 3136, SGD 2739 / 2752; 8 x 10M x 64
-    SGD 6544 / 6657, row-wise 6919 / 7098."""
-    return _element_states(optimizer) > 0 or width >= 128
+        _fused_update_kernel, weight, states[0], states[1], *hyper, step, KIND=optimizer.kind,
+        WD=hyper.weight_decay != 0, DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
+        QUARTERS=tuning.update_in_quarters(optimizer.element_states, segments.width(columns)))
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,
@@ -209,19 +180,14 @@ def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     element state as one (rows, D) table, every value's gradient row gathered at once, one update
     of all touched rows (not a pass a table)."""
     D, meta = plan.max_dim, plan.meta
-    bag = bag_of_value(offsets, values.numel())
+    _, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=plan.scaled)
     feature = bag // max(B, 1)
     # one width: the pooled gradient is (B, F, D), feature f's block at column OUT_COL[f] = its slot * D
     rows = grad.to(acc).view(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D]
-    if psw is not None:
-        rows = rows * psw.to(acc)[:, None]
-    if plan.mean:
-        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)[bag].to(acc)
-        rows = torch.where((meta[:, POOL] == MEAN)[feature][:, None], rows / lengths[:, None], rows)
     per = optimizer.state_spec()
     views = {k: v.view(-1, D) if per[k][0] == "element" else v for k, v in state.items()}
     apply_sparse_update_reference(weights.view(-1, D), views, optimizer, meta[:, ROW_START][feature] + values.long(),
-                                  rows, None, None, step)
+                                  rows, None, scale, step)
 
 
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
@@ -232,8 +198,8 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     if kernel is None:
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
-        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, plan.layout.wide_keys, plan.mean,
-                                           status)
+        keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, wide_keys=plan.layout.wide_keys,
+                                           scaled=plan.scaled, sqrtn=plan.sqrtn, status=status, kernel=True)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
@@ -244,21 +210,18 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     if one_width(plan.meta, plan.total_dim, plan.max_dim):
         return _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, acc)
     # reference: per table, the gradient rows of all its features, then one update
-
+    _, bag, scale = backward_inputs_reference(values, offsets, psw, plan.meta, B, dtype=acc, scaled=plan.scaled)
+    feature = bag // max(B, 1)
     by_table = {}
-    for (m, vs, o), t in zip(feature_slices(offsets, plan.rows, B), plan.feature_table):
-        dim, col, pooling = m[DIM], m[OUT_COL], m[POOL]
-        lengths = o[1:] - o[:-1]
-        bag = torch.repeat_interleave(torch.arange(B, device=grad.device), lengths, output_size=vs.stop - vs.start)
-        rows = grad[bag, col:col + dim].to(acc)
-        if psw is not None:
-            rows = rows * psw[vs].to(acc)[:, None]
-        if pooling == MEAN:
-            rows = rows / lengths.clamp(min=1)[bag].to(acc)[:, None]
-        by_table.setdefault(t, []).append((values[vs].long(), rows))
+    for f, (m, t) in enumerate(zip(plan.rows, plan.feature_table)):
+        at = (feature == f).nonzero()[:, 0]
+        rows = grad[bag[at] % max(B, 1), m[OUT_COL]:m[OUT_COL] + m[DIM]].to(acc)
+        if scale is not None:
+            rows = rows * scale[at][:, None]
+        by_table.setdefault(t, []).append((values[at].long(), rows))
+    per = optimizer.state_spec()
     for t, parts in by_table.items():
         rows, dim, elem, row = plan.tables[t]
-        per = optimizer.state_spec()
         views = {k: v[row:row + rows] if per[k][0] == "row" else table_view(v, elem, rows, dim)
                  for k, v in state.items()}
         apply_sparse_update_reference(table_view(weights, elem, rows, dim), views, optimizer,

@@ -11,8 +11,9 @@ C_f[b, k] = the times bag b holds hot row k, which reads each gradient row once.
 1. `_hot_split_kernel`, a pass over the values: a hot value adds 1 to C[f, b, slot] (fp32
    atomics of integers: exact, so the order does not matter) and gets key -1; a cold one its
    sort key. Each bag's count of cold values is written.
-2. One host read (the cold total) and `_cold_kernel` packs the cold values' (key, bag, scale)
-   in value order: the sparse path's sort and levels then see the cold values only.
+2. One host read (the cold total) and the shared backward-inputs kernel (ops/bags.py, its COLD
+   form) packs the cold values' (key, bag, scale) in value order: the sparse path's sort and
+   levels then see the cold values only.
 3. `_hot_grad_kernel`: C^T @ grad over splits of the bags, in three tf32 products of an exact
    split of each (scaled) gradient element; C is exact in tf32 while every count is at most
    2048, which HOT_CAP guarantees (positions of a bag past it are cold). A split's entry for a
@@ -23,7 +24,7 @@ C_f[b, k] = the times bag b holds hot row k, which reads each gradient row once.
 The hot set is the K most looked-up rows of each table in one batch, taken again every
 `refresh` steps (one torch.unique over the batch: a host read). Which rows are hot changes the
 speed only, never the update. The host reads keep this path out of CUDA graphs: a step being
-captured takes the sparse path, as do batches under `min_values` values (HOT_MIN_VALUES) and
+captured takes the sparse path, as do batches under `min_values` values (tuning.HOT_MIN_VALUES) and
 weighted ones: per-sample weights do not fold into C (EmbeddingBagCollection refuses hot_rows
 when is_weighted).
 """
@@ -33,30 +34,15 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import cdiv, launch, next_pow2, tl, triton
-from embfuse.ops.collection import ROW_START, bag_of_value, bag_scale, program_bags, ranked_rows
+from embfuse.ops.bags import (DIM, KEY_START, OUT_COL, POOL, ROW_START, backward_inputs, bag_of_value, bag_scale,
+                              program_bags)
+from embfuse.ops.collection import ranked_rows
+from embfuse.ops import tuning
 from embfuse.optim.fused import fused_update
 
 # a bag's positions from this one on are cold, so that a count of C never passes 2048 (tf32
 # holds integers exactly up to 2^11)
 HOT_CAP = 2048
-# bags a program of _hot_grad_kernel takes, and (bags, values) a program of the passes over
-# the values takes at a time (H100, benchmarks/NOTES.md, session 9)
-BAGS_PER_SPLIT = 1024
-PASS_SHAPE = (8, 32)
-
-
-def product_shape(K: int) -> dict:
-    """Launch shape of _hot_grad_kernel for K slots: slots a program (32 at most: a product
-    of 64 rows took Hopper's wgmma path, 147 KB of shared memory at 255 registers, one program
-    an SM and 4.4x the time of 32), bags a product, warps, stages."""
-    return dict(KB=min(K, 32), BB=32, num_warps=4, num_stages=2)
-
-
-# batches with fewer values take the sparse path: below, the extra launches and the host read
-# cost more than the dense product saves. H100 (benchmarks/NOTES.md, session 9), the step of 26
-# tables x 128 with hot_rows=64 against without: 0.51-0.88x up to 5.3M values, 1.11x at 8.5M,
-# 1.40x at 21M
-HOT_MIN_VALUES = 1 << 23
 
 
 class HotRows:
@@ -65,7 +51,7 @@ class HotRows:
     s, or -1. Taken from a batch every `refresh` steps by `maybe_refresh`; used for batches of
     at least `min_values` values."""
 
-    def __init__(self, k: int, refresh: int, num_rows: int, num_tables: int, device, min_values=HOT_MIN_VALUES):
+    def __init__(self, k: int, refresh: int, num_rows: int, num_tables: int, device, min_values=tuning.HOT_MIN_VALUES):
         if k < 1 or refresh < 1:
             raise ValueError(f"hot_rows and hot_refresh must be positive; got {k} and {refresh}")
         self.k, self.refresh, self.min_values = k, refresh, min_values
@@ -101,8 +87,8 @@ class HotRows:
 def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
                       K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
-    key0 = tl.load(meta + f * stride_m + 6, mask=real, other=0)  # KEY_START
-    row0 = tl.load(meta + f * stride_m + 4, mask=real, other=0)  # ROW_START
+    key0 = tl.load(meta + f * stride_m + KEY_START, mask=real, other=0)
+    row0 = tl.load(meta + f * stride_m + ROW_START, mask=real, other=0)
     n_cold = tl.zeros([BAGS], dtype=tl.int32)
     for i in range(0, tl.max(end - start), BLOCK):
         q = i + tl.arange(0, BLOCK)
@@ -118,26 +104,6 @@ def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B,
 
 
 @triton.jit
-def _cold_kernel(keys, offsets, cold_start, meta, keys_out, bag_out, scale_out, FB, B, stride_m,
-                 HAS_SCALE: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
-    at = tl.load(cold_start + g, mask=real, other=0)
-    scale = bag_scale(meta, f, stride_m, real, start, end)  # the sparse path's
-    for i in range(0, tl.max(end - start), BLOCK):
-        p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
-        m = p < end[:, None]
-        k = tl.load(keys + p, mask=m, other=-1)
-        c = (k >= 0).to(tl.int32)
-        to = at[:, None] + tl.cumsum(c, axis=1) - c  # the cold values of a bag, in order
-        keep = m & (k >= 0)
-        tl.store(keys_out + to, k, mask=keep)
-        tl.store(bag_out + to, (g[:, None] + 0 * p).to(bag_out.dtype.element_ty), mask=keep)
-        if HAS_SCALE:
-            tl.store(scale_out + to, scale[:, None] + tl.zeros([BAGS, BLOCK], tl.float32), mask=keep)
-        at += tl.sum(c, axis=1)
-
-
-@triton.jit
 def _split(x):
     """The top 11 significant bits of x (all a tf32 product reads) and the rest, exactly."""
     hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
@@ -146,15 +112,16 @@ def _split(x):
 
 @triton.jit
 def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, partial, entry_keys, B, stride_m, bags_per,
-                     ROW_D: tl.constexpr, HAS_MEAN: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, BB: tl.constexpr,
+                     ROW_D: tl.constexpr, SCALED: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, BB: tl.constexpr,
                      BLOCK_D: tl.constexpr):
     # program (slot block, split, feature x column block): the slot blocks of one split and
     # column block run side by side and read its gradient rows through the L2 once
     s = tl.program_id(1).to(tl.int64)
     f = tl.program_id(2).to(tl.int64) // (ROW_D // BLOCK_D)
     cb = tl.program_id(2) % (ROW_D // BLOCK_D)
-    D = tl.load(meta + f * stride_m + 1)
-    col = tl.load(meta + f * stride_m + 2)
+    D = tl.load(meta + f * stride_m + DIM)
+    col = tl.load(meta + f * stride_m + OUT_COL)
+    pool = tl.load(meta + f * stride_m + POOL)
     cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     ks = tl.program_id(0) * KB + tl.arange(0, KB)
     acc = tl.zeros([KB, BLOCK_D], dtype=tl.float32)
@@ -166,10 +133,10 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
         c = tl.load(counts + (f * B + b)[:, None] * K + ks[None, :], mask=inb[:, None], other=0.0)
         x = tl.load(grad + b[:, None] * stride_g + col + cols[None, :], mask=inb[:, None] & (cols < D)[None, :],
                     other=0.0).to(tl.float32)
-        if HAS_MEAN:  # the sparse path's scale, so that the products round alike
-            start = tl.load(offsets + f * B + b, mask=inb, other=0)
-            end = tl.load(offsets + f * B + b + 1, mask=inb, other=0)
-            x = x * bag_scale(meta, f + 0 * b, stride_m, inb, start, end)[:, None]
+        if SCALED:  # the sparse path's scale, so that the products round alike
+            count = tl.load(offsets + f * B + b + 1, mask=inb, other=0) - tl.load(offsets + f * B + b, mask=inb,
+                                                                                  other=0)
+            x = x * bag_scale(pool, count, count)[:, None]
         seen = tl.maximum(seen, tl.max(c, axis=0))
         ct = tl.trans(c)
         hi, r = _split(x)
@@ -181,7 +148,7 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
     tl.store(partial + e[:, None] * ROW_D + cols[None, :], acc)
     # the entry's key: its hot row, or -1 where no bag of the split holds it (nothing to add,
     # and a row the batch does not touch must not be updated)
-    key = tl.load(hot_keys + (tl.load(meta + f * stride_m + 6) >> shift) * K + ks)
+    key = tl.load(hot_keys + (tl.load(meta + f * stride_m + KEY_START) >> shift) * K + ks)
     tl.store(entry_keys + e, tl.where(seen > 0, key, -1).to(entry_keys.dtype.element_ty),
              mask=ks < tl.where(cb == 0, K, 0))  # (column block 0's)
 
@@ -197,32 +164,27 @@ def hot_update(weights, states, optimizer, values, offsets, plan, B, grad, step,
     keys = torch.empty(n, dtype=key_dtype, device=dev)
     counts = torch.zeros(FB * K, dtype=torch.float32, device=dev)
     cold = torch.empty(FB, dtype=torch.int32, device=dev)
-    bags, block = PASS_SHAPE
-    launch(_hot_split_kernel)[(cdiv(FB, bags),)](
+    launch(_hot_split_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
         values, offsets, plan.meta, hot.slot, keys, counts, cold, FB, B, plan.meta.stride(0), K=K,
-        CAP=HOT_CAP, BAGS=bags, BLOCK=block)
+        CAP=HOT_CAP, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
     cold_start = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
     torch.cumsum(cold, 0, out=cold_start[1:])
     n_cold = int(cold_start[-1])
     if n_cold:
-        cold_keys = torch.empty(n_cold, dtype=key_dtype, device=dev)
-        cold_bag = torch.empty(n_cold, dtype=torch.int64 if FB >= 2**31 else torch.int32, device=dev)
-        scale = torch.empty(n_cold, dtype=torch.float32, device=dev) if plan.mean else None
-        launch(_cold_kernel)[(cdiv(FB, bags),)](
-            keys, offsets, cold_start, plan.meta, cold_keys, cold_bag, scale if plan.mean else cold_keys, FB, B,
-            plan.meta.stride(0), HAS_SCALE=plan.mean, BAGS=bags, BLOCK=block)
+        cold_keys, cold_bag, scale = backward_inputs(keys, offsets, None, plan.meta, B, wide_keys=layout.wide_keys,
+                                                     scaled=plan.scaled, kernel=True, cold=(cold_start, n_cold))
         fused_update(weights, states, optimizer, cold_keys, layout, grad, step, src_row=cold_bag, scale=scale,
                      src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
-    splits = cdiv(B, BAGS_PER_SPLIT)
+    splits = cdiv(B, tuning.BAGS_PER_SPLIT)
     row_d = max(16, next_pow2(plan.max_dim))  # the partial rows' width
     block_d = min(row_d, 128)  # columns a program
     partial = torch.empty(F * splits * K, row_d, dtype=torch.float32, device=dev)
     entry = torch.empty(F * splits * K, dtype=key_dtype, device=dev)
-    shape = product_shape(K)
+    shape = tuning.product_shape(K)
     launch(_hot_grad_kernel)[(K // shape["KB"], splits, F * (row_d // block_d))](
         counts, grad, grad.stride(0), offsets, plan.meta, hot.keys, layout.shift, partial, entry, B,
         plan.meta.stride(0), cdiv(B, splits),
-        ROW_D=row_d, HAS_MEAN=plan.mean, K=K, BLOCK_D=block_d, **shape)
+        ROW_D=row_d, SCALED=plan.scaled, K=K, BLOCK_D=block_d, **shape)
     meta = hot.partial_meta.get((plan, splits, row_d))
     if meta is None:  # feature f's partial rows start at row f * splits * K
         meta = plan.src_meta.clone()

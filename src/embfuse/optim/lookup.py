@@ -14,12 +14,12 @@ import contextlib
 import torch
 
 from embfuse._triton import use_kernels
-from embfuse.ops.embedding import _forward_impl as _gather
-from embfuse.ops.embedding import guarded_ids, prepare_ids
-from embfuse.ops.embedding_bag import accumulation, backward_inputs, per_sample_weights_grad, prepare_bags
-from embfuse.ops.embedding_bag import _forward_impl as _pool
-from embfuse.ops.collection import _forward_impl as _pool_collection
-from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, known_good
+from embfuse.ops.bags import accumulation
+from embfuse.ops.collection import pool_collection
+from embfuse.ops.deferred import known_good
+from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
+from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
 from embfuse.optim.rules import init_state
@@ -63,7 +63,7 @@ def _status(check):
 class _FusedBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, weight, indices, offsets, psw, mode, padding_idx, fused, check):
-        out, _ = _pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=_status(check))
+        out, _ = pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=_status(check))
         ctx.save_for_backward(indices, offsets, psw)
         ctx.weight, ctx.mode, ctx.padding_idx, ctx.fused, ctx.check = weight, mode, padding_idx, fused, check
         return out
@@ -78,9 +78,9 @@ class _FusedBag(torch.autograd.Function):
         fused = ctx.fused
         with fused.stepping(ctx.check) as step:
             if step is not None and offsets.numel() > 1:
-                ids, bag, scale = backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
-                                                  num_weights=ctx.weight.shape[0], status=status,
-                                                  dtype=accumulation(ctx.weight))
+                ids, bag, scale = table_backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
+                                                        *ctx.weight.shape, status=status,
+                                                        dtype=accumulation(ctx.weight))
                 apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
                                     step, ctx.padding_idx)
         return None, None, None, None, grad_psw, None, None, None, None
@@ -91,7 +91,7 @@ class _FusedEmbedding(torch.autograd.Function):
     def forward(ctx, anchor, weight, ids, keep, padding_idx, fused, check):
         ctx.save_for_backward(ids, keep)
         ctx.weight, ctx.padding_idx, ctx.fused, ctx.check = weight, padding_idx, fused, check
-        out = _gather(weight, ids, _status(check))
+        out = gather(weight, ids, _status(check))
         return out if keep is None else torch.where(keep.reshape(-1, 1), out, 0)
 
     @staticmethod
@@ -113,8 +113,7 @@ class _FusedCollection(torch.autograd.Function):
     def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused, hot, check):
         ctx.save_for_backward(values, offsets, psw)
         ctx.weights, ctx.plan, ctx.B, ctx.fused, ctx.hot, ctx.check = weights, plan, B, fused, hot, check
-        return _pool_collection(weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
-                                plan.layout.vec, _status(check))
+        return pool_collection(weights, values, offsets, psw, plan, B, _status(check))
 
     @staticmethod
     def backward(ctx, grad):
@@ -146,7 +145,8 @@ def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offse
 
 def _unsupported(scale_grad_by_freq, sparse, mode="sum"):
     if scale_grad_by_freq or sparse or mode == "max":
-        raise ValueError("a fused optimizer supports sum and mean pooling without scale_grad_by_freq or sparse")
+        raise ValueError("a fused optimizer supports sum, mean and sqrtn pooling without scale_grad_by_freq or "
+                         "sparse")
 
 
 def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_norm=None, norm_type=2.0,

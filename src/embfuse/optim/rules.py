@@ -16,10 +16,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2, 3
+from embfuse._triton import Named
+
+# which rule a fused kernel applies (host and kernels)
+SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = Named(0), Named(1), Named(2), Named(3)
+
+
+class Hyper(NamedTuple):
+    """A rule's hyper-parameters for one step, by name: what the fused kernels read (the update
+    kernel takes these fields as its scalar arguments, in this order, and hands them on as one
+    Hyper). A new hyper-parameter is a field here and in `_fused_update_kernel`'s signature."""
+
+    lr: float
+    eps: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    bc2_sqrt: float = 1.0  # sqrt of Adam's second bias correction
 # mantissa bits that rounding an fp32 value to the table's dtype drops
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
@@ -57,6 +74,11 @@ class _Rule:
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"{rule}: stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
 
+    @property
+    def element_states(self) -> int:
+        """How many element-wise state tensors the rule keeps (Adagrad 1, Adam 2)."""
+        return sum(per == "element" for per, _ in self.state_spec().values())
+
     def dropped_bits(self, dtype) -> int:
         """Bits to round away at random when storing to `dtype` (0: round to nearest)."""
         return DROPPED_BITS.get(dtype, 0) if self.stochastic_rounding else 0
@@ -85,9 +107,9 @@ class SGD(_Rule):
         """name -> (per "row" or per "element", initial value); all state is fp32."""
         return {}
 
-    def scalars(self, step: int) -> tuple[float, float, float, float, float, float]:
-        """(lr for this step, eps, weight_decay, beta1, beta2, sqrt of bias correction 2)."""
-        return self.lr, 0.0, self.weight_decay, 0.0, 0.0, 1.0
+    def hyper(self, step: int) -> Hyper:
+        """The hyper-parameters of step `step` (from 1)."""
+        return Hyper(lr=self.lr, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
         return w - self.lr * (g + self.weight_decay * w), state
@@ -105,11 +127,11 @@ class Adagrad(_Rule):
     def state_spec(self):
         return {"sum": ("element", self.initial_accumulator_value)}
 
-    def scalars(self, step):
-        return self.lr / (1 + (step - 1) * self.lr_decay), self.eps, self.weight_decay, 0.0, 0.0, 1.0
+    def hyper(self, step):
+        return Hyper(lr=self.lr / (1 + (step - 1) * self.lr_decay), eps=self.eps, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
-        lr = self.scalars(step)[0]
+        lr = self.hyper(step).lr
         g = g + self.weight_decay * w
         s = state["sum"] + g * g
         return w - lr * g / (s.sqrt() + self.eps), {"sum": s}
@@ -128,8 +150,8 @@ class RowWiseAdagrad(_Rule):
     def state_spec(self):
         return {"sum": ("row", self.initial_accumulator_value)}
 
-    def scalars(self, step):
-        return self.lr, self.eps, self.weight_decay, 0.0, 0.0, 1.0
+    def hyper(self, step):
+        return Hyper(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
         g = g + self.weight_decay * w
@@ -151,29 +173,26 @@ class Adam(_Rule):
     def state_spec(self):
         return {"exp_avg": ("element", 0.0), "exp_avg_sq": ("element", 0.0)}
 
-    def scalars(self, step):
+    def hyper(self, step):
+        """lr arrives divided by the first bias correction."""
         b1, b2 = self.betas
-        return self.lr / (1 - b1**step), self.eps, self.weight_decay, b1, b2, math.sqrt(1 - b2**step)
+        return Hyper(lr=self.lr / (1 - b1**step), eps=self.eps, weight_decay=self.weight_decay, beta1=b1, beta2=b2,
+                     bc2_sqrt=math.sqrt(1 - b2**step))
 
     def update(self, w, g, state, step):
-        lr_t, eps, wd, b1, b2, bc2_sqrt = self.scalars(step)
+        lr_t, eps, wd, b1, b2, bc2_sqrt = self.hyper(step)
         g = g + wd * w
         m = state["exp_avg"].lerp(g, 1 - b1)
         v = state["exp_avg_sq"] * b2 + (1 - b2) * g * g
         return w - lr_t * m / (v.sqrt() / bc2_sqrt + eps), {"exp_avg": m, "exp_avg_sq": v}
 
 
-def init_state(optimizer, num_embeddings: int, dim: int, device) -> dict[str, torch.Tensor]:
-    """fp32 optimizer state for a table, whatever the table's dtype."""
+def init_state(optimizer, num_rows: int, dim: int, device, num_elements: int | None = None) -> dict[str, torch.Tensor]:
+    """fp32 optimizer state, whatever the table's dtype: per row (num_rows,) and per element
+    (num_rows, dim) for one table; per element (num_elements,) for a collection's flat buffer
+    (num_elements given; num_rows then counts the global rows of every table)."""
     out = {}
     for name, (per, value) in optimizer.state_spec().items():
-        shape = (num_embeddings,) if per == "row" else (num_embeddings, dim)
+        shape = (num_rows,) if per == "row" else (num_rows, dim) if num_elements is None else (num_elements,)
         out[name] = torch.full(shape, float(value), dtype=torch.float32, device=device)
     return out
-
-
-def init_flat_state(optimizer, num_rows: int, num_elements: int, device) -> dict[str, torch.Tensor]:
-    """fp32 state of a table collection's flat buffer: per element, or per (global) row."""
-    return {name: torch.full((num_rows if per == "row" else num_elements,), float(value), dtype=torch.float32,
-                             device=device)
-            for name, (per, value) in optimizer.state_spec().items()}

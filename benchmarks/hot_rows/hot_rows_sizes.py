@@ -3,7 +3,7 @@
 lengths, in one process (us, medians of CUDA-event timings; the hot set from another batch, not
 refreshed while timed).
 
-    PYTHONPATH=src python3 benchmarks/hot_rows_sizes.py
+    PYTHONPATH=src python3 benchmarks/hot_rows/hot_rows_sizes.py
 """
 
 import torch

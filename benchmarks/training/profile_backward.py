@@ -1,7 +1,7 @@
 """Where the time of embfuse's backward goes (one device call): torch.profiler over a few steps
 of forward + dense backward, and of a fused SGD step, on the `backward` bench workload.
 
-    PYTHONPATH=src python3 benchmarks/profile_backward.py
+    PYTHONPATH=src python3 benchmarks/training/profile_backward.py
 """
 
 import torch

@@ -5,7 +5,7 @@ Compute (what bounds a lookup whose rows mostly hit L2):
 dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
 lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 sm__warps_active.avg.pct_of_peak_sustained_active \
-        python3 benchmarks/ncu_forward.py DIM BATCH {uniform | powerlaw | embedding} > OUT.csv
+        python3 benchmarks/lookup/ncu_forward.py DIM BATCH {uniform | powerlaw | embedding} > OUT.csv
 
 (FBGEMM from the build of ../shared/peers/fbgemm_for_device.sh on PYTHONPATH; `embedding`:
 torch's embedding case, BATCH ids into a 1M-row table, beside torch's own kernel.)

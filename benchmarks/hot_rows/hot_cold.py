@@ -8,7 +8,7 @@ counts C (F, K, B) of each feature's hot rows, built by index_add, and C @ grad 
 one batched matrix product (fp32 without TF32, and bf16, one of the three products an exact
 split of fp32 gradients would take). Medians of CUDA-event timings (do_bench).
 
-    PYTHONPATH=src python3 benchmarks/hot_cold.py [batch [device [rows]]]
+    PYTHONPATH=src python3 benchmarks/hot_rows/hot_cold.py [batch [device [rows]]]
 """
 
 import sys
@@ -19,7 +19,8 @@ from triton.testing import do_bench
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
-from embfuse.ops.collection import backward_inputs, collection_forward
+from embfuse.ops.bags import backward_inputs
+from embfuse.ops.collection import collection_forward
 from embfuse.optim.fused import fused_update
 
 DEV = sys.argv[2] if len(sys.argv) > 2 else "cuda"
@@ -31,7 +32,8 @@ F, D = w.tables, w.dim
 ebc = make_collection(w, DEV)
 plan = ebc._plan(kjt.keys(), DEV)
 values, offsets = kjt.values(), kjt.offsets()
-keys, bag, _ = backward_inputs(values, offsets, None, plan.meta, B, plan.layout.wide_keys, plan.mean)
+keys, bag, _ = backward_inputs(values, offsets, None, plan.meta, B, wide_keys=plan.layout.wide_keys,
+                               scaled=plan.scaled, kernel=True)
 grad = torch.randn(B, F * D, device=DEV)
 weights, sgd = ebc.weights.detach(), embfuse.optim.SGD(lr=1e-6)
 uniq, counts = torch.unique(keys.long(), return_counts=True)

@@ -2,7 +2,7 @@
 warps on the Criteo-like batch of the `collection` workloads (26 tables x 128, power-law ids),
 fp32 and bf16, against the rule's choice.
 
-    PYTHONPATH=src python3 benchmarks/sweep_collection.py [batch]
+    PYTHONPATH=src python3 benchmarks/lookup/sweep_collection.py [batch]
 """
 
 import itertools

@@ -2,7 +2,7 @@
 the per-argument specialisation, the C launcher alone, and embfuse's `_DirectLauncher`, for a
 kernel of 10 and one of 30 arguments (one device call, no GPU work to speak of).
 
-    PYTHONPATH=src python3 benchmarks/launch_overhead.py
+    PYTHONPATH=src python3 benchmarks/host/launch_overhead.py
 """
 
 import torch

@@ -5,7 +5,7 @@ inference shape (12 x 500K x 128, B2048 L150); the host-bound call (D64 B512 L8)
 and launches per call. Providers: embfuse default ("deferred"), embfuse-off, embfuse-sync (the
 old default: reads the check back every call), FBGEMM's default (WARNING) and NONE, torch.
 
-    PYTHONPATH=src python benchmarks/default_path.py [OUT_DIR]
+    PYTHONPATH=src python benchmarks/validation/default_path.py [OUT_DIR]
 """
 
 import functools

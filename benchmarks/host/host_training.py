@@ -2,7 +2,7 @@
 (host) and the time to finish (wall) of a fused-SGD module step, its forward, and a dense
 backward step, on 16384 bags of 20 over a 1M x 128 table. host ~= wall means host-bound.
 
-    PYTHONPATH=src python3 benchmarks/host_training.py
+    PYTHONPATH=src python3 benchmarks/host/host_training.py
 """
 
 import time

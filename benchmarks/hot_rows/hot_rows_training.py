@@ -4,9 +4,9 @@ for every batch, or none)
 fits a fixed teacher collection's outputs on fresh power-law batches; both students start from
 the same weights and see the same batches. Prints both loss curves and the largest relative
 difference between them. (Its batches, 2.1M values, are below the size where the hot path pays:
-benchmarks/hot_rows_sizes.py times that.)
+benchmarks/hot_rows/hot_rows_sizes.py times that.)
 
-    PYTHONPATH=src python3 benchmarks/hot_rows_training.py [steps]
+    PYTHONPATH=src python3 benchmarks/hot_rows/hot_rows_training.py [steps]
 """
 
 import sys

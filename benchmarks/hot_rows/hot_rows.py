@@ -4,7 +4,7 @@ timings); at B65536 the largest difference of one update from the sparse one, th
 hot backward, and the bags a product program takes. The hot set comes from another batch
 (make_collection), as in training.
 
-    PYTHONPATH=src python3 benchmarks/hot_rows.py [batch ...]   (env KS="0 32 64", DETAIL="32 64", OPT=sgd|rowwise|adagrad|adam)
+    PYTHONPATH=src python3 benchmarks/hot_rows/hot_rows.py [batch ...]   (env KS="0 32 64", DETAIL="32 64", OPT=sgd|rowwise|adagrad|adam)
 """
 
 import os
@@ -16,7 +16,7 @@ from triton.testing import do_bench
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
-from embfuse.optim import hot
+from embfuse.ops import tuning
 
 batches = [int(b) for b in sys.argv[1:]] or [16384, 65536]
 OPTIMIZERS = {"sgd": embfuse.optim.SGD(lr=0.01), "rowwise": embfuse.optim.RowWiseAdagrad(lr=0.01),
@@ -42,19 +42,19 @@ for B in batches:
         ebc = make_collection(w, "cuda", OPTIMIZERS[OPT], hot_rows=K)
         print(f"B{B} K{K} {OPT}: step {step_us(ebc, kjt, grad):.0f} us", flush=True)
         if B == batches[-1] and str(K) in os.environ.get("DETAIL", "64").split():
-            for per in (512, 2048, hot.BAGS_PER_SPLIT):
-                hot.BAGS_PER_SPLIT = per
+            for per in (512, 2048, tuning.BAGS_PER_SPLIT):
+                tuning.BAGS_PER_SPLIT = per
                 print(f"  {per} bags a product program: step {step_us(ebc, kjt, grad):.0f} us", flush=True)
-            chosen = hot.product_shape
+            chosen = tuning.product_shape
             for kb, bb, warps in ((32, 32, 4), (32, 64, 8), (32, 64, 4), (16, 32, 4), (16, 64, 4), (64, 32, 4),
                                   (32, 32, 8)):
-                hot.product_shape = lambda K: dict(KB=min(K, kb), BB=bb, num_warps=warps, num_stages=2)  # noqa
+                tuning.product_shape = lambda K: dict(KB=min(K, kb), BB=bb, num_warps=warps, num_stages=2)  # noqa
                 print(f"  product {kb} slots x {bb} bags, {warps} warps: step {step_us(ebc, kjt, grad):.0f} us",
                       flush=True)
-            hot.product_shape = chosen
-            chosen = hot.PASS_SHAPE
+            tuning.product_shape = chosen
+            chosen = (tuning.BAGS_PER_PROGRAM, tuning.VALUES_PER_STEP)
             for shape in ((4, 32), (16, 32), (4, 64), (8, 64), (16, 16), chosen):
-                hot.PASS_SHAPE = shape
+                tuning.BAGS_PER_PROGRAM, tuning.VALUES_PER_STEP = shape
                 print(f"  passes {shape[0]} bags x {shape[1]} values: step {step_us(ebc, kjt, grad):.0f} us",
                       flush=True)
             # one update from the same weights by each path

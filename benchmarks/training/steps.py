@@ -3,7 +3,7 @@ two trees or of two settings in separate processes on one instance): the Criteo 
 (SGD, B16384 and B65536) and the 26 x 1M x 128 and 8 x 10M x 64 steps of one
 EmbeddingBagCollection (SGD and row-wise Adagrad). Medians of CUDA-event timings (do_bench).
 
-    PYTHONPATH=src python3 benchmarks/steps.py [label]
+    PYTHONPATH=src python3 benchmarks/training/steps.py [label]
 """
 
 import sys

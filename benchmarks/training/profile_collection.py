@@ -2,7 +2,7 @@
 forward and one training step (forward + backward + fused SGD) of the `collection` workloads,
 listing every GPU kernel in launch order with its duration.
 
-    PYTHONPATH=src python3 benchmarks/profile_collection.py [batch]
+    PYTHONPATH=src python3 benchmarks/training/profile_collection.py [batch]
 """
 
 import sys

@@ -1,9 +1,9 @@
 """Training steps by the columns a segment-reduction program takes (one device call): the rule
-in embfuse.optim.fused.update_columns and ops/_segment.GRAD_COLUMNS, swept on the 26 x 1M x 128
+in embfuse.ops.tuning (update_columns and GRAD_COLUMNS), swept on the 26 x 1M x 128
 collection step (SGD, Adagrad, Adam), the dense backward (1M x 128, B16384 L64) and the Criteo
 collection step (SGD).
 
-    PYTHONPATH=src python3 benchmarks/sweep_columns.py 128 64 32
+    PYTHONPATH=src python3 benchmarks/training/sweep_columns.py 128 64 32
 """
 
 import sys
@@ -15,15 +15,14 @@ import embfuse
 from embfuse.bench.collection import COLLECTION_PROVIDERS, make_batch
 from embfuse.bench.train import BACKWARD_PROVIDERS, _collection, batches
 from embfuse.bench.workloads import Workload
-from embfuse.ops import _segment
-from embfuse.optim import fused
+from embfuse.ops import tuning
 
 
 def run(name, step, widths):
     line = f"{name}:"
     for c in widths:
-        fused.update_columns = lambda optimizer, c=c: c
-        _segment.GRAD_COLUMNS = c
+        tuning.update_columns = lambda element_states, c=c: c
+        tuning.GRAD_COLUMNS = c
         step()
         line += f" {c}: {do_bench(step, warmup=3, rep=200, return_mode='median') * 1e3:.0f}"
     print(line, flush=True)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from embfuse._triton import HAS_TRITON, cdiv, interpreting, launch, next_pow2, tl, tracing, triton
+from embfuse.ops import tuning
 
 
 def _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype):
@@ -114,32 +115,6 @@ def single_table(num_rows: int, dim: int, device) -> Layout:
     return _single_table(num_rows, dim, device) if tracing() else _single_table_cached(num_rows, dim, device)
 
 
-# levels of at most this many entries take the small-level tile shape (see level_shape)
-SMALL_LEVEL = 65536
-# columns a program of the gradient kernel takes (see Segments.launch): whole rows. 64 showed
-# no gain on the H100 bench's dense backward (1M x 128, B16384 L64) that stood out of its +-25%
-# spread between repeats (benchmarks/NOTES.md, session 7; benchmarks/sweep_columns.py)
-GRAD_COLUMNS = None
-
-
-def level_shape(block_d: int, n: int) -> tuple[int, int]:
-    """(entries a tile, warps) of a level of n entries.
-
-    Large levels: one warp a program up to 128 columns (one a 128 columns past that), so that
-    the run sums are a scan in each thread's registers (_run_sums), and 32 entries a tile, one
-    a lane, where each entry's own values (sort position, source row, table) are worked out
-    once. Measured on an H100 (benchmarks/NOTES.md, session 6), level 1 of the 26-table Criteo
-    step: 32 entries / 1 warp 3.2 ms; 16 / 1 9.5 ms (Triton then computes every entry's values
-    in every thread); 64 / 1, 32 / 2, 64 / 2, 64 / 4, 128 / 4 11-65 ms (spills, or a scan across
-    warps). The fused optimizers keep 32 by updating a tile's rows a quarter at a time.
-    Levels of at most SMALL_LEVEL entries take the GPU microseconds while each launch costs the
-    host tens: tiles of about 8192 values, 8 warps, so that fewer levels follow (a tile of K
-    entries makes K / 2 times fewer)."""
-    if n <= SMALL_LEVEL:
-        return max(16, min(64, 8192 // block_d)), 8
-    return 32, max(1, min(8, block_d // 128))
-
-
 def _pow2_factor(*xs) -> int:
     """The largest power of two (at most 8) dividing every x: the vector width of row accesses."""
     g = functools.reduce(math.gcd, [int(x) for x in xs], 0) or 8
@@ -195,12 +170,12 @@ class Segments:
         columns are cut in blocks of this many (a power of two), a program each, so that a
         program holds fewer registers (None: whole rows, as row-wise state needs). Each block
         loads the tile's keys and source rows again; where the tile's registers spilled, that
-        costs less than the spills (H100, benchmarks/NOTES.md, session 7)."""
+        costs less than the spills (tuning.GRAD_COLUMNS, tuning.update_columns)."""
         dev = self.sorted_key.device
         block_d = self.width(columns)
         levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
         while True:
-            block_k, warps = level_shape(block_d, n)
+            block_k, warps = tuning.level_shape(block_d, n)
             levels.append((n, block_k, warps, cdiv(n, block_k)))
             if levels[-1][3] == 1:
                 break
@@ -375,7 +350,7 @@ def reduce_segments(keys, layout: Layout, src, out, scale_by_freq=False, **src_a
     if keys.numel() == 0 or layout.max_dim == 0:
         return out
     Segments(keys, layout, src, **src_args).launch(_segment_grad_kernel, out, count=scale_by_freq,
-                                                   columns=GRAD_COLUMNS)
+                                                   columns=tuning.GRAD_COLUMNS)
     return out
 
 
@@ -411,7 +386,7 @@ def rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     touched = segments.compact().long()
     values = torch.zeros(touched.numel(), D, dtype=out_dtype, device=src.device)
     if touched.numel() and D:
-        segments.launch(_segment_grad_kernel, values, count=scale_by_freq, columns=GRAD_COLUMNS)
+        segments.launch(_segment_grad_kernel, values, count=scale_by_freq, columns=tuning.GRAD_COLUMNS)
     return touched, values
 
 

@@ -4,7 +4,7 @@ bytes come from (DRAM or L2) and how busy it keeps the GPU. Only the bracketed s
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\
 dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
 sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
-        python3 benchmarks/ncu_step.py {train26 | criteo [batch]} {embfuse | fbgemm} > OUT.csv
+        python3 benchmarks/training/ncu_step.py {train26 | criteo [batch]} {embfuse | fbgemm} > OUT.csv
 
 (FBGEMM from the build of ../shared/peers/fbgemm_for_device.sh on PYTHONPATH.) The H100
 machines' ncu reads the counters (Firecracker runtime); one step of each is a minute or so.

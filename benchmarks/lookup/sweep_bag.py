@@ -1,7 +1,7 @@
 """Sweep embedding_bag forward launch shapes on the GPU (one device call): which tile size,
-warp count and cache policy the rule in embfuse.ops.embedding_bag._config should pick.
+warp count and cache policy the rule in embfuse.ops.tuning.bag_shape should pick.
 
-    PYTHONPATH=src python3 benchmarks/sweep_bag.py OUT.json
+    PYTHONPATH=src python3 benchmarks/lookup/sweep_bag.py OUT.json
 """
 
 import itertools
@@ -13,7 +13,8 @@ from triton.testing import do_bench
 
 from embfuse.bench.runner import copy_bandwidth, count_bytes
 from embfuse.bench.workloads import Workload, generate_batch
-from embfuse.ops.embedding_bag import SUM, embedding_bag_forward, embedding_bag_reference
+from embfuse.ops.bags import SUM
+from embfuse.ops.embedding_bag import embedding_bag_forward, embedding_bag_reference
 
 
 ELEMS = (256, 512, 1024, 2048, 4096, 8192)

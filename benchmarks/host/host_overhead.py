@@ -1,7 +1,7 @@
 """Where the host time of a small checked call goes: wall time per call of embedding_bag
 (D64, B512, L8, no grad) in each bounds_check mode, then a cProfile of the default's calls.
 
-    PYTHONPATH=src python3 benchmarks/host_overhead.py
+    PYTHONPATH=src python3 benchmarks/host/host_overhead.py
 """
 
 import cProfile

@@ -1,0 +1,299 @@
+"""The deferred check: validation on the GPU without a host synchronisation per call.
+
+One pass over a batch (a Triton kernel: `_check_ids_kernel` for one table's flat ids and
+offsets, `_check_bags_kernel` for a keyed batch's bags) ORs its findings into the call's `status`
+tensor, int32 [flags, ticket]. Every later kernel of the call reads status once per program,
+outside its loops: a forward of a bad batch pools no row (zeros), a backward writes no gradient
+row and a fused optimizer updates nothing, so weights and optimizer state stay bitwise unchanged.
+The last program of the check also writes its verdict into pinned host memory (`DeviceLog`),
+which the host reads without waiting: the error is raised by the first embfuse call that starts
+after the GPU has checked the batch, and at the latest by `embfuse.check_errors()`, which waits.
+Inside torch.compile graphs and CUDA-graph captures the check runs as well (its status is then a
+fresh tensor of the graph); a bad replay is reported by the next eager check point.
+
+`run_check` is the mode logic every validation shares (ops/validate.py calls it).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import torch
+
+from embfuse._triton import Named, cdiv, launch, tl, tracing, triton
+from embfuse.ops.errors import BadBatchError, BadIdError
+from embfuse.ops import tuning
+
+# the check's flags (host and kernels)
+BAD_ID, BAD_OFFSETS = Named(1), Named(2)
+
+
+def capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+
+# ---- the kernels: one pass over the batch, a verdict in `status` and in the host's ring ----
+
+@triton.jit
+def _report(status, ring, slot, seq, flags):
+    """Every program ORs its flags into status[0] and takes a ticket from status[1]; the last
+    one writes seq * 16 + (all flags) into ring[slot], the host's pinned memory, where the
+    host reads it without waiting. Program 0 also clears `status_next`, the status of the next
+    call (see DeviceLog)."""
+    tl.atomic_or(status, flags, mask=flags != 0)
+    ticket = tl.atomic_add(status + 1, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        total = tl.atomic_or(status, 0, sem="acquire")
+        tl.store(ring + slot, seq.to(tl.int64) * 16 + total)
+
+
+@triton.jit(do_not_specialize=["slot", "seq"])
+def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq,
+                      BLOCK: tl.constexpr):
+    """Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n."""
+    pid = tl.program_id(0)
+    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_ids = pos < n
+    ids = tl.load(indices + pos, mask=in_ids, other=0)
+    bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
+    cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
+    has_next = pos < n_offsets - 1
+    nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+    # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
+    bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
+    flags = tl.max(bad_id.to(tl.int32)) * BAD_ID + tl.max(bad_off.to(tl.int32)) * BAD_OFFSETS
+    if pid == 0:
+        tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
+    _report(status, ring, slot, seq, flags)
+
+
+@triton.jit(do_not_specialize=["slot", "seq"])
+def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, ring, slot, seq,
+                       BAGS: tl.constexpr, BLOCK: tl.constexpr):
+    """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
+    bag's ids inside its feature's table (limits[f] rows). BAGS bags a program, side by side.
+    (A flat pass over the values that found each value's feature by binary search over the
+    feature starts was slower on the H100: its dependent gathers; benchmarks/NOTES.md.)"""
+    pid = tl.program_id(0)
+    g = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    bad_off = real & ((end < start) | ((g == 0) & (start != 0)) | ((g == FB - 1) & (end != n)))
+    limit = tl.load(limits + g // B, mask=real, other=0)
+    # reads stay inside the values whatever the offsets say
+    lo = tl.minimum(tl.maximum(start, 0), n)
+    hi = tl.minimum(tl.maximum(end, lo), n)
+    bad_id = tl.zeros([BAGS], dtype=tl.int32)
+    for i in range(0, tl.max(hi - lo), BLOCK):
+        p = lo[:, None] + i + tl.arange(0, BLOCK)[None, :]
+        m = p < hi[:, None]
+        v = tl.load(values + p, mask=m, other=0)
+        bad_id = tl.maximum(bad_id, tl.max((m & ((v < 0) | (v >= limit[:, None]))).to(tl.int32), axis=1))
+    flags = tl.max(bad_id) * BAD_ID + tl.max(bad_off.to(tl.int32)) * BAD_OFFSETS
+    if pid == 0:
+        tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
+    _report(status, ring, slot, seq, flags)
+
+
+# ---- the host side of the deferred check ----
+
+class Check:
+    """One call's check: its status tensor (int32 [flags, ticket]) for the call's kernels, and
+    what the host needs to report it: the call's number, its ring slot, a function that finds
+    the first bad entry and raises, and hooks to undo host state (a fused step count) if the
+    batch turns out bad."""
+
+    __slots__ = ("status", "seq", "slot", "raise_error", "undo", "what", "bad")
+
+    def __init__(self, status, seq, slot, raise_error, what):
+        self.status, self.seq, self.slot, self.raise_error, self.what = status, seq, slot, raise_error, what
+        self.undo = []
+        self.bad = None  # None: not known yet; True / False once the host has read the verdict
+
+
+class DeviceLog:
+    """The deferred checks of one CUDA device (or, for the interpreter tests, of the CPU).
+
+    ring: pinned host memory, one int64 a call slot: seq * 16 + flags once the GPU has checked
+    call `seq`. status: device int32 pairs, one a slot, reused round the ring; the check of
+    call k clears the pair of call k + 1, so no call spends a launch on zeroing. A call whose
+    status must outlive the next RING calls (an autograd backward reads it later) gets a fresh
+    zeroed pair instead, as do calls inside a CUDA-graph capture or torch.compile graph, which
+    take their ring slots from a second half that eager calls never use."""
+
+    RING = 4096
+
+    def __init__(self, device):
+        self.device = device
+        self.ring = torch.zeros(2 * self.RING, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host = self.ring.numpy()
+        self.status = torch.zeros(self.RING, 2, dtype=torch.int32, device=device)
+        self.rows = list(self.status.unbind(0))
+        self.scratch = torch.zeros(2, dtype=torch.int32, device=device)  # what graph checks "clear"
+        self.seq = 0
+        self.pending = collections.deque()
+        self.graph_checks = []  # checks captured into CUDA graphs: reported at every poll
+        self.next_graph_slot = self.RING
+
+    def start(self, raise_error, what, fresh: bool, track: bool = True) -> Check:
+        """A new call's Check (after reporting what earlier calls left); `track`: the host
+        reads its verdict later (else the caller reads status itself)."""
+        self.poll()
+        self.seq += 1
+        seq = self.seq
+        if capturing(self.status) or tracing():
+            slot = self.next_graph_slot
+            self.next_graph_slot = self.RING + (slot + 1 - self.RING) % self.RING
+            self.host[slot] = 0
+            check = Check(torch.zeros(2, dtype=torch.int32, device=self.device), seq, slot, raise_error, what)
+            self.graph_checks.append(check)
+            return check
+        slot = seq % self.RING
+        status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
+        check = Check(status, seq, slot, raise_error, what)
+        if track:
+            self.pending.append(check)
+        return check
+
+    def next_status(self, check: Check) -> torch.Tensor:
+        """The status pair the check of `check` clears for the call after it."""
+        if check.slot >= self.RING:
+            return self.scratch  # graphs: their pairs are zeroed inside the graph
+        return self.rows[(check.slot + 1) % self.RING]
+
+    def poll(self) -> None:
+        """Report the calls the GPU has checked since the last poll; never waits."""
+        while self.pending:
+            check = self.pending[0]
+            word = int(self.host[check.slot])
+            if word >> 4 < check.seq:
+                break  # not checked yet (calls on one stream finish in order)
+            self.pending.popleft()
+            if word >> 4 > check.seq:  # the ring went round before we looked: ask the inputs
+                self._fail(check, None)
+            elif word & 15:
+                self._fail(check, word & 15)
+            else:
+                check.bad = False
+                check.undo.clear()
+        for check in self.graph_checks:
+            word = int(self.host[check.slot])
+            if word & 15:
+                self.host[check.slot] = 0
+                self._fail(check, word & 15)
+
+    def wait(self) -> None:
+        """Wait for the GPU, then report every call it has checked."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.poll()
+
+    def _fail(self, check: Check, flags) -> None:
+        """Raise the error of a call the GPU found bad (flags None: the verdict was lost to a
+        ring that went round; the inputs are asked again)."""
+        note = (f" [deferred: the batch of {check.what} call #{check.seq} on {self.device}; nothing was "
+                f"pooled or updated from it]")
+        try:
+            check.raise_error()
+        except (BadIdError, BadBatchError) as e:
+            self._mark_bad(check)
+            raise type(e)(str(e) + note) from None
+        if flags is None:  # lost, and the inputs are good
+            check.bad = False
+            check.undo.clear()
+            return
+        self._mark_bad(check)  # the inputs changed since: say what the GPU saw
+        if flags & BAD_OFFSETS:
+            raise BadBatchError(f"{check.what} call #{check.seq} had bad offsets or lengths{note}")
+        raise BadIdError(f"{check.what} call #{check.seq} had an out-of-range id{note}")
+
+    @staticmethod
+    def _mark_bad(check: Check) -> None:
+        check.bad = True
+        for undo in check.undo:
+            undo()
+        check.undo.clear()
+
+
+_LOGS: dict = {}
+
+
+def device_log(device) -> DeviceLog:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    log = _LOGS.get(device)
+    if log is None:
+        log = _LOGS[device] = DeviceLog(device)
+    return log
+
+
+def check_errors() -> None:
+    """Raise the error of any earlier call whose batch was bad (see bounds_check="deferred").
+    Waits for each GPU that has run embfuse's checks: a synchronisation."""
+    for log in list(_LOGS.values()):
+        log.wait()
+
+
+def launch_ids_check(log, check, indices, offsets, num_embeddings):
+    n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
+    block = tuning.CHECK_BLOCK
+    launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
+        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, check.status,
+        log.next_status(check), log.ring, check.slot, check.seq, BLOCK=block)
+
+
+def launch_bags_check(log, check, values, offsets, limits, B):
+    FB = offsets.numel() - 1
+    launch(_check_bags_kernel)[(max(1, cdiv(FB, tuning.BAGS_PER_PROGRAM)),)](
+        values, offsets, limits, values.numel(), FB, max(B, 1), check.status, log.next_status(check), log.ring,
+        check.slot, check.seq, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+
+
+def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
+              raise_error: Callable, what: str, fresh: bool):
+    """The mode logic shared by every check: returns (status tensor or None, flags or None).
+
+    Without kernels (CPU) the torch-op flags are computed at once and errors raised at once.
+    With kernels the check is launched; "deferred" returns its status without reading it,
+    "sync" and "skip" read the flags (a synchronisation) and raise on anything "skip" cannot
+    drop. `launch_check(log, check)` launches the kernel; `flags_reference()` gives the flags
+    with torch ops; `raise_error()` raises the exact error (slow path)."""
+    if not kernel:
+        flags = flags_reference()
+    else:
+        log = device_log(device)
+        deferred = bounds_check == "deferred"
+        check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
+        launch_check(log, check)
+        if deferred:
+            return check, None
+        flags = int(check.status[0].item())
+    if flags:
+        raise_error()  # under "skip", only what it cannot drop
+    return None, flags
+
+
+class TracedCheck:
+    """The check of a call inside a torch.compile graph: only its status (the custom op's
+    output); the op's body, run by the compiled code at every call, is the eager check."""
+
+    __slots__ = ("status",)
+    bad = None
+
+    def __init__(self, status):
+        self.status = status
+
+
+def traced_mode(bounds_check: str) -> str:
+    return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
+
+
+
+def known_good(status: Optional[torch.Tensor]) -> bool:
+    """Whether a deferred check passed, read back (a synchronisation): for the torch-op paths
+    that still run on a GPU (float64 tables), which would fault on a bad id."""
+    return status is None or int(status[0]) == 0

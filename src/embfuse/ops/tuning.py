@@ -1,0 +1,103 @@
+"""Launch rules of every kernel, in one place.
+
+Each rule says in one line why it is what it is; the measurements behind it are in
+benchmarks/NOTES.md, section "Launch rules" (which names the session and script of each).
+Sizes may be SymInts while tracing: rules take plain arithmetic and only eager calls are cached.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from embfuse._triton import next_pow2
+
+# ---- pooled lookups (ops/embedding_bag.py, ops/collection.py) ----
+
+
+def bag_shape(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
+    """A pooling program: all of D up to 256 columns, rows stacked to about 256 elements a tile
+    but no more than a bag holds, one warp. Within 3% of the best of an H100 sweep of 256-8192
+    elements x 1-8 warps on fp32/fp16 x D 32/128 x uniform/power-law ids (NOTES: "bag shape").
+    `overrides` (sweeps) replaces any of: elems, block_l, block_d, num_warps, evict."""
+    cfg = {"elems": 256, "num_warps": 1, "evict": ""}
+    cfg.update(overrides or {})
+    block_d = cfg.get("block_d") or min(next_pow2(D), 256)
+    block_l = cfg.get("block_l") or max(1, min(cfg["elems"] // block_d, 64, next_pow2(max(1, int(avg_bag)))))
+    return {"BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": cfg["num_warps"], "EVICT": cfg["evict"]}
+
+
+_bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
+
+
+def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False) -> dict:
+    """bag_shape for `values` ids over `bags` bags of width D, cached for eager calls."""
+    avg = next_pow2(max(1, values // max(1, bags)))
+    if overrides or traced:
+        return bag_shape(D, avg, overrides)
+    return _bag_shape_cached(D, avg)
+
+
+# a program of the per-bag passes (backward inputs, the collection check, the hot split) takes
+# this many bags side by side, this many values of each at a time: one bag a program spent most
+# of its time waiting on the offsets (NOTES: "bags a program")
+BAGS_PER_PROGRAM = 8
+VALUES_PER_STEP = 32
+
+
+def gather_shape(D: int) -> tuple[int, int]:
+    """(ids, columns) a program of the plain embedding gather: 2048-element tiles, all of D up to
+    256 columns (NOTES: "gather shape")."""
+    block_d = min(next_pow2(D), 256)
+    return max(1, min(64, 2048 // block_d)), block_d
+
+
+# ids a program of the flat single-table check (NOTES: "check kernels")
+CHECK_BLOCK = 1024
+
+# ---- the segment reduction (ops/segments.py) and the fused optimizers (optim/) ----
+
+# levels of at most this many entries take the small-level tile shape (see level_shape)
+SMALL_LEVEL = 65536
+# columns a program of the gradient kernel takes: whole rows (64 showed no gain above the bench's
+# spread; NOTES: "gradient columns")
+GRAD_COLUMNS = None
+
+
+def level_shape(block_d: int, n: int) -> tuple[int, int]:
+    """(entries a tile, warps) of a level of n entries. Large levels: 32 entries, one a lane, one
+    warp up to 128 columns, so run sums are a scan in each thread's registers (16 recomputes
+    per-entry values in every thread; larger tiles or more warps spill or scan across warps).
+    Small levels (at most SMALL_LEVEL): the host's launches dominate, so tiles of about 8192
+    values and 8 warps make fewer levels (NOTES: "level shape")."""
+    if n <= SMALL_LEVEL:
+        return max(16, min(64, 8192 // block_d)), 8
+    return 32, max(1, min(8, block_d // 128))
+
+
+def update_columns(element_states: int):
+    """Columns a program of the fused update takes: whole rows without element-wise state (SGD;
+    row-wise Adagrad needs them), 64 with one state tile beside the weights, 32 with two
+    (NOTES: "update columns")."""
+    return 128 >> element_states if element_states else None
+
+
+def update_in_quarters(element_states: int, width: int) -> bool:
+    """Whether a fused-update program updates its tile a quarter of the rows at a time (else a
+    half): with element-wise state, or at 128 columns and more, where the summed rows, weights
+    and state of a whole tile spill (NOTES: "update groups")."""
+    return element_states > 0 or width >= 128
+
+
+# ---- the hot-row path (optim/hot.py) ----
+
+# bags a program of the dense hot-row product takes (NOTES: "hot rows")
+BAGS_PER_SPLIT = 1024
+# batches with fewer values take the sparse path: below it the extra launches and the host read
+# cost more than the dense product saves (NOTES: "hot rows", the size sweep)
+HOT_MIN_VALUES = 1 << 23
+
+
+def product_shape(K: int) -> dict:
+    """The hot-row product's program: at most 32 slots (64 took Hopper's wgmma path with 147 KB
+    of shared memory, one program an SM, 4.4x slower), 32 bags a product, 4 warps, 2 stages."""
+    return dict(KB=min(K, 32), BB=32, num_warps=4, num_stages=2)
