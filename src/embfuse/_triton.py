@@ -29,29 +29,17 @@ try:
 except ImportError:  # pragma: no cover - exercised by tests/test_import.py in a subprocess
     HAS_TRITON = False
     triton = types.SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f))
-    tl = types.SimpleNamespace(constexpr=object)
+    tl = types.SimpleNamespace(constexpr=lambda value=None: value)
 
     def wrap_triton(fn):
         raise RuntimeError("Triton is not installed")
 
 
-class Named(int, tl.constexpr if HAS_TRITON else object):
-    """A named number shared by host and kernels: an int on the host (indexing, comparisons with
-    tensors), a constexpr inside a kernel (Triton reads only constexpr globals). Pooling modes,
-    the columns of a collection's meta rows and optimizer kinds are Named, so kernels say
-    `meta + f * stride_m + DIM` and `MODE == MEAN`, never a bare number."""
-
-    def __new__(cls, value: int):
-        self = int.__new__(cls, value)
-        if HAS_TRITON:
-            tl.constexpr.__init__(self, int(value))
-        return self
-
-    def __repr__(self) -> str:
-        return int.__repr__(self)
-
-    __hash__ = int.__hash__
-    __eq__ = int.__eq__
+def constexprs(*values):
+    """The kernels' copies of host constants: Triton reads only constexpr globals, while host
+    code (and torch.compile, which traces it) needs plain ints. A module names each constant
+    once for the host and once, with a K_ prefix, for its kernels: `meta + f * stride_m + K_DIM`."""
+    return tuple(tl.constexpr(v) for v in values) if HAS_TRITON else values
 
 
 # Triton decides at @triton.jit time whether a kernel is interpreted: read the variable once,

@@ -13,7 +13,7 @@ import functools
 import torch
 
 import embfuse
-from embfuse.bench.peers import Unsupported, fbgemm_tbe
+from embfuse.bench.peers import fbgemm_tbe
 from embfuse.bench.providers import attempt
 from embfuse.bench.workloads import Workload, generate_batch
 

@@ -14,7 +14,7 @@ to row values[p].
 
 A pooling mode is one entry of POOLINGS plus one branch of `pool_norm` and of
 `pool_norm_reference`. What the kernels know about a feature is its meta row (columns named
-below, shared by host and kernels); a single table is one row, `single_meta`.
+below; the kernels read them as K_ + the name); a single table is one row, `single_meta`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import Named, cdiv, launch, tl, tracing, triton, use_kernels
+from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton, use_kernels
 from embfuse.ops import tuning
 
-SUM, MEAN, MAX, SQRTN = Named(0), Named(1), Named(2), Named(3)
+SUM, MEAN, MAX, SQRTN = 0, 1, 2, 3
 POOLINGS = {"sum": SUM, "mean": MEAN, "max": MAX, "sqrtn": SQRTN}
 SCALED = (MEAN, SQRTN)  # modes whose backward scales each value by 1 / norm
 
 # columns of a feature's meta row: first element of its table in the flat buffer, width, first
 # output column, pooling mode, first global row, rows, sort key of the table's row 0 (see
 # segments.Layout)
-ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = (Named(i) for i in range(7))
+ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = range(7)
 META_COLUMNS = 7
+# the kernels' copies (see _triton.constexprs)
+K_SUM, K_MEAN, K_MAX, K_SQRTN = constexprs(SUM, MEAN, MAX, SQRTN)
+K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 
 
 def _single_meta(rows: int, dim: int, mode: int, device) -> Tensor:
@@ -129,7 +132,7 @@ def pool_norm(pool, count, sumsq):
     one = tl.full(count.shape, 1.0, tl.float32)
     sq = sumsq.to(tl.float32)
     sqrtn = tl.where(sq > 0, tl.sqrt_rn(tl.maximum(sq, 0.0)), one)
-    return tl.where(pool == SQRTN, sqrtn, tl.where(pool == MEAN, tl.maximum(count, 1).to(tl.float32), one))
+    return tl.where(pool == K_SQRTN, sqrtn, tl.where(pool == K_MEAN, tl.maximum(count, 1).to(tl.float32), one))
 
 
 @triton.jit
@@ -148,7 +151,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
     lane = tl.arange(0, BLOCK_L)
     # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
     # reduction per step would cross warps (shared memory + barrier) and stall the gathers
-    if MODE == MAX:
+    if MODE == K_MAX:
         acc = tl.full([BLOCK_L, BLOCK_D], float("-inf"), dtype=tl.float32)
         best_pos = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
         best_id = tl.full([BLOCK_L, BLOCK_D], -1, dtype=tl.int64)
@@ -175,7 +178,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
             rows = rows * w[:, None]
             if SQ:
                 sumsq += w * w
-        if MODE == MAX:
+        if MODE == K_MAX:
             # strict: a later equal value never replaces an earlier one (torch keeps the first);
             # NaN is passed over here, and the lane's first number is taken even if -inf
             better = m2 & (rows == rows) & ((rows > acc) | (best_pos < 0))
@@ -190,7 +193,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
             acc += rows
         if HAS_PADDING:
             count += lmask.to(tl.int32)
-    if MODE == MAX:
+    if MODE == K_MAX:
         top = tl.max(acc, axis=0)
         # among lanes holding the max, the earliest position wins
         first = tl.min(tl.where((acc == top[None, :]) & (best_pos >= 0), best_pos, 9223372036854775807), axis=0)
@@ -225,8 +228,8 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
     """Per value (KEY_START + id, or -1; bag; w / norm). COLD: `values` are sort keys already
     (-1: taken elsewhere, the hot-row path) and the others are packed from cold_start[bag] on."""
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
-    key0 = tl.load(meta + f * stride_m + KEY_START, mask=real, other=0)
-    pool = tl.load(meta + f * stride_m + POOL, mask=real, other=0)
+    key0 = tl.load(meta + f * stride_m + K_KEY_START, mask=real, other=0)
+    pool = tl.load(meta + f * stride_m + K_POOL, mask=real, other=0)
     if STATUS:  # a bad batch: every value gets key -1, the bags splitting [0, n) evenly
         bad = tl.load(status) != 0
         chunk = (n + FB - 1) // FB

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (DIM, ELEM_START, KEY_START, META_COLUMNS, OUT_COL, POOL, POOLINGS, ROW_START, ROWS,
-                              SCALED, SQRTN, accumulation, backward_inputs, backward_inputs_reference,
-                              bag_norms_reference, guard_bags, pool_bag, pool_norm)
+from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, KEY_START, META_COLUMNS,
+                              OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, SQRTN, accumulation, backward_inputs,
+                              backward_inputs_reference, bag_norms_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
 
@@ -121,14 +121,14 @@ def _collection_fwd_kernel(
     # widths, table starts and output columns are multiples of VEC (the widths' power-of-two
     # factor): said so, the row gathers become VEC-wide vector loads (16 bytes for fp32 at VEC
     # 4); read from `meta` unannotated they were 4-byte loads
-    D = tl.multiple_of(tl.load(meta + f * stride_m + DIM), VEC)
+    D = tl.multiple_of(tl.load(meta + f * stride_m + K_DIM), VEC)
     # every scalar the program needs, loaded before the test on D (in bounds for any bag), so
     # that their latencies overlap instead of following one another
     start = tl.load(offsets + g).to(tl.int64)
     end = tl.load(offsets + g + 1).to(tl.int64)
-    table = weights + tl.multiple_of(tl.load(meta + f * stride_m + ELEM_START), VEC)
-    col = tl.multiple_of(tl.load(meta + f * stride_m + OUT_COL), VEC)
-    pool = tl.load(meta + f * stride_m + POOL)
+    table = weights + tl.multiple_of(tl.load(meta + f * stride_m + K_ELEM_START), VEC)
+    col = tl.multiple_of(tl.load(meta + f * stride_m + K_OUT_COL), VEC)
+    pool = tl.load(meta + f * stride_m + K_POOL)
     if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
         end = tl.where(tl.load(status) == 0, end, start)
     if first_col < D:  # narrower features leave their last column blocks idle

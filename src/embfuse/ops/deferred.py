@@ -21,12 +21,13 @@ from typing import Callable, Optional
 
 import torch
 
-from embfuse._triton import Named, cdiv, launch, tl, tracing, triton
+from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
 from embfuse.ops.errors import BadBatchError, BadIdError
 from embfuse.ops import tuning
 
-# the check's flags (host and kernels)
-BAD_ID, BAD_OFFSETS = Named(1), Named(2)
+# the check's flags
+BAD_ID, BAD_OFFSETS = 1, 2
+K_BAD_ID, K_BAD_OFFSETS = constexprs(BAD_ID, BAD_OFFSETS)
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -63,7 +64,7 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
     nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
     # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
     bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-    flags = tl.max(bad_id.to(tl.int32)) * BAD_ID + tl.max(bad_off.to(tl.int32)) * BAD_OFFSETS
+    flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
     if pid == 0:
         tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
     _report(status, ring, slot, seq, flags)
@@ -92,7 +93,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, r
         m = p < hi[:, None]
         v = tl.load(values + p, mask=m, other=0)
         bad_id = tl.maximum(bad_id, tl.max((m & ((v < 0) | (v >= limit[:, None]))).to(tl.int32), axis=1))
-    flags = tl.max(bad_id) * BAD_ID + tl.max(bad_off.to(tl.int32)) * BAD_OFFSETS
+    flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
     if pid == 0:
         tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
     _report(status, ring, slot, seq, flags)

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (MAX, POOLINGS, SCALED, SQRTN, SUM, accumulation, backward_inputs, bag_norms_reference,
-                              pool_bag, pool_norm, pooled_values, single_meta)
+from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, MAX, POOLINGS, SCALED, SQRTN, accumulation, backward_inputs,
+                              bag_norms_reference, pool_bag, pool_norm, pooled_values, single_meta)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -84,10 +84,10 @@ def _embedding_bag_fwd_kernel(
     if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
         end = tl.where(tl.load(status) == 0, end, start)
     result, best, count, sumsq = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-                                          MODE, HAS_PSW, HAS_PADDING, MODE == SQRTN, BLOCK_L, BLOCK_D, EVICT)
-    if MODE != SUM and MODE != MAX:
+                                          MODE, HAS_PSW, HAS_PADDING, MODE == K_SQRTN, BLOCK_L, BLOCK_D, EVICT)
+    if MODE != K_SUM and MODE != K_MAX:
         result = result / pool_norm(MODE, count, sumsq)
-    if MODE == MAX:
+    if MODE == K_MAX:
         tl.store(max_ids + bag * D + cols, best, mask=cmask)
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 

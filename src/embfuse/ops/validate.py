@@ -36,8 +36,7 @@ from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, launch_bags_check, launch_ids_check, run_check,
                                   traced_mode)
-from embfuse.ops.errors import (BadArgumentError, BadBatchError, BadDtypeError, BadIdError, UnsupportedError,
-                                caller_stacklevel)
+from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
 DEFAULT_BOUNDS_CHECK = "deferred"

@@ -16,7 +16,7 @@ from embfuse.ops.collection import one_width, table_view
 from embfuse.ops.deferred import known_good
 from embfuse.ops.segments import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
 from embfuse.ops import tuning
-from embfuse.optim.rules import ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, SGD_KIND, Hyper, stochastic_round_reference
+from embfuse.optim.rules import K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, Hyper, stochastic_round_reference
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -66,13 +66,13 @@ def _update_rows(weight, state1, state2, g, rate, row, D, base, done, hp, seed, 
     w = tl.load(weight + at, mask=m, other=0.0).to(tl.float32)
     if WD:
         g = g + hp.weight_decay * w
-    if KIND == SGD_KIND:
+    if KIND == K_SGD_KIND:
         w = w - hp.lr * g
-    elif KIND == ADAGRAD_KIND:
+    elif KIND == K_ADAGRAD_KIND:
         s = tl.load(state1 + at, mask=m, other=0.0) + g * g
         tl.store(state1 + at, s, mask=m)
         w = w - hp.lr * g / (tl.sqrt(s) + hp.eps)
-    elif KIND == ROWWISE_ADAGRAD_KIND:  # one value per global row; whole rows are in this program
+    elif KIND == K_ROWWISE_ADAGRAD_KIND:  # one value per global row; whole rows are in this program
         if WD:
             w = w - hp.lr * g / (tl.sqrt(_rowwise_state(state1, row, done, g, D))[:, None] + hp.eps)
         else:
@@ -128,7 +128,7 @@ def _fused_update_kernel(
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
-    if KIND == ROWWISE_ADAGRAD_KIND and not WD:
+    if KIND == K_ROWWISE_ADAGRAD_KIND and not WD:
         rate = hp.lr / (tl.sqrt(_rowwise_state(state1, row, done, g, D)) + hp.eps)
     else:
         rate = tl.zeros([BLOCK_K], dtype=tl.float32)

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import cdiv, launch, next_pow2, tl, triton
-from embfuse.ops.bags import (DIM, KEY_START, OUT_COL, POOL, ROW_START, backward_inputs, bag_of_value, bag_scale,
-                              program_bags)
+from embfuse.ops.bags import (K_DIM, K_KEY_START, K_OUT_COL, K_POOL, K_ROW_START, ROW_START, backward_inputs,
+                              bag_of_value, bag_scale, program_bags)
 from embfuse.ops.collection import ranked_rows
 from embfuse.ops import tuning
 from embfuse.optim.fused import fused_update
@@ -87,8 +87,8 @@ class HotRows:
 def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
                       K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
-    key0 = tl.load(meta + f * stride_m + KEY_START, mask=real, other=0)
-    row0 = tl.load(meta + f * stride_m + ROW_START, mask=real, other=0)
+    key0 = tl.load(meta + f * stride_m + K_KEY_START, mask=real, other=0)
+    row0 = tl.load(meta + f * stride_m + K_ROW_START, mask=real, other=0)
     n_cold = tl.zeros([BAGS], dtype=tl.int32)
     for i in range(0, tl.max(end - start), BLOCK):
         q = i + tl.arange(0, BLOCK)
@@ -119,9 +119,9 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
     s = tl.program_id(1).to(tl.int64)
     f = tl.program_id(2).to(tl.int64) // (ROW_D // BLOCK_D)
     cb = tl.program_id(2) % (ROW_D // BLOCK_D)
-    D = tl.load(meta + f * stride_m + DIM)
-    col = tl.load(meta + f * stride_m + OUT_COL)
-    pool = tl.load(meta + f * stride_m + POOL)
+    D = tl.load(meta + f * stride_m + K_DIM)
+    col = tl.load(meta + f * stride_m + K_OUT_COL)
+    pool = tl.load(meta + f * stride_m + K_POOL)
     cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     ks = tl.program_id(0) * KB + tl.arange(0, KB)
     acc = tl.zeros([KB, BLOCK_D], dtype=tl.float32)
@@ -148,7 +148,7 @@ def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, par
     tl.store(partial + e[:, None] * ROW_D + cols[None, :], acc)
     # the entry's key: its hot row, or -1 where no bag of the split holds it (nothing to add,
     # and a row the batch does not touch must not be updated)
-    key = tl.load(hot_keys + (tl.load(meta + f * stride_m + KEY_START) >> shift) * K + ks)
+    key = tl.load(hot_keys + (tl.load(meta + f * stride_m + K_KEY_START) >> shift) * K + ks)
     tl.store(entry_keys + e, tl.where(seen > 0, key, -1).to(entry_keys.dtype.element_ty),
              mask=ks < tl.where(cb == 0, K, 0))  # (column block 0's)
 

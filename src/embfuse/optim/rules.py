@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from embfuse._triton import Named
+from embfuse._triton import constexprs
 
-# which rule a fused kernel applies (host and kernels)
-SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = Named(0), Named(1), Named(2), Named(3)
+# which rule a fused kernel applies
+SGD_KIND, ADAGRAD_KIND, ROWWISE_ADAGRAD_KIND, ADAM_KIND = 0, 1, 2, 3
+K_SGD_KIND, K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_ADAM_KIND = constexprs(0, 1, 2, 3)
 
 
 class Hyper(NamedTuple):
