@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, KEY_START, META_COLUMNS,
+from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, SQRTN, accumulation, backward_inputs,
                               backward_inputs_reference, bag_norms_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
@@ -112,8 +112,8 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m,
-    HAS_PSW: tl.constexpr, SCALED: tl.constexpr, SQ: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr,
+    HAS_PSW: tl.constexpr, SQ: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVICT: tl.constexpr, VEC: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
@@ -136,16 +136,19 @@ def _collection_fwd_kernel(
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
         result, _, count, sumsq = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, 0, HAS_PSW, False, SQ,
                                            BLOCK_L, BLOCK_D, EVICT)
-        if SCALED:
+        # a branch on the feature's mode after the loop, as before bags.py: sum features pay
+        # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
+        if pool != K_SUM:
             result = result / pool_norm(pool, count, sumsq)
         b = g - f * B
         tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None,
-                       scaled=True, sqrtn=True):
+                       sqrtn=True):
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
-    `config`: launch-shape overrides for sweeps (tuning.bag_shape); `scaled` / `sqrtn`: Plan's."""
+    `config`: launch-shape overrides for sweeps (tuning.bag_shape); `sqrtn`: Plan's (some feature
+    is sqrtn: weighted bags then sum their squared weights)."""
     F = meta.shape[0]
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
@@ -153,8 +156,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing())
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
-        meta, out, B, out.stride(0), meta.stride(0), HAS_PSW=psw is not None, SCALED=scaled,
-        SQ=psw is not None and sqrtn, STATUS=status is not None, VEC=vec, **cfg)
+        meta, out, B, out.stride(0), meta.stride(0), HAS_PSW=psw is not None, SQ=psw is not None and sqrtn, STATUS=status is not None, VEC=vec, **cfg)
     return out
 
 
@@ -206,7 +208,7 @@ def pool_collection(weights, values, offsets, psw, plan, B, status=None):
     meta, total_dim, max_dim = plan.meta, plan.total_dim, plan.max_dim
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, plan.layout.vec,
-                                  status=status, scaled=plan.scaled, sqrtn=plan.sqrtn)
+                                  status=status, sqrtn=plan.sqrtn)
     return _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, status)
 
 
@@ -225,7 +227,7 @@ def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_
                    vec: int, wide_keys: bool, scaled: bool, sqrtn: bool) -> Tensor:
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
-                                  status=status, scaled=scaled, sqrtn=sqrtn)
+                                  status=status, sqrtn=sqrtn)
     return _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
 
 
