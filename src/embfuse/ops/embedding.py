@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, triton, use_kernels
+from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
@@ -45,7 +45,7 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
     out = torch.empty(n, D, dtype=weight.dtype, device=weight.device)
     if n == 0 or D == 0:
         return out
-    block_n, block_d = tuning.gather_shape(D)
+    block_n, block_d = tuning.gather_shape(D, tracing())
     launch(_embedding_fwd_kernel)[(cdiv(n, block_n), cdiv(D, block_d))](
         weight, indices, status if status is not None else indices, out, n, D, weight.stride(0), out.stride(0),
         STATUS=status is not None, BLOCK_N=block_n, BLOCK_D=block_d

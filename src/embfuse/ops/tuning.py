@@ -44,11 +44,18 @@ BAGS_PER_PROGRAM = 8
 VALUES_PER_STEP = 32
 
 
-def gather_shape(D: int) -> tuple[int, int]:
-    """(ids, columns) a program of the plain embedding gather: 2048-element tiles, all of D up to
-    256 columns (NOTES: "gather shape")."""
+def _gather_shape(D: int) -> tuple[int, int]:
     block_d = min(next_pow2(D), 256)
     return max(1, min(64, 2048 // block_d)), block_d
+
+
+_gather_shape_cached = functools.lru_cache(maxsize=64)(_gather_shape)
+
+
+def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
+    """(ids, columns) a program of the plain embedding gather: 2048-element tiles, all of D up to
+    256 columns (NOTES: "gather shape"); cached for eager calls (a small lookup is host-bound)."""
+    return _gather_shape(D) if traced else _gather_shape_cached(D)
 
 
 # ids a program of the flat single-table check (NOTES: "check kernels")
