@@ -7,9 +7,9 @@ is there, everything else runs the pure-torch references.
 from embfuse.ops import BadBatchError, BadIdError, check_errors, embedding, embedding_bag
 from embfuse.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from embfuse import nn, optim
+from embfuse import nn, optim, tf
 
 __version__ = "0.1.0"
 __all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
-           "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim",
+           "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim", "tf",
            "__version__"]

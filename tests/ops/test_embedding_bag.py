@@ -77,9 +77,11 @@ def test_sqrtn_is_tensorflows_combiner(device, weighted):
     weight = torch.randn(9, 5, dtype=torch.float64, device=device, requires_grad=True)
     ids = torch.tensor([1, 2, 3, 4, 4, 0, 8, 7, 4], device=device)
     offsets = torch.tensor([0, 3, 3, 7, 8], device=device)  # bag 1 empty; id 4 is padding, bag 4 only that
-    psw = torch.rand(9, dtype=torch.float64, device=device) + 0.1 if weighted else None
+    psw = None
     if weighted:
+        psw = torch.rand(9, dtype=torch.float64, device=device) + 0.1
         psw[7] = 0.0  # bag 3 holds one id of weight 0: its sum of squares is 0
+        psw.requires_grad_()
     out = embfuse.embedding_bag(ids, weight, offsets, mode="sqrtn", per_sample_weights=psw, padding_idx=4)
     bounds = offsets.tolist() + [ids.numel()]
     want = []
@@ -95,8 +97,9 @@ def test_sqrtn_is_tensorflows_combiner(device, weighted):
     want = torch.stack(want)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(out)
-    torch.testing.assert_close(torch.autograd.grad(out, weight, g)[0], torch.autograd.grad(want, weight, g)[0],
-                               rtol=1e-12, atol=1e-12)
+    inputs = (weight, psw) if weighted else (weight,)
+    for got, expect in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(want, inputs, g)):
+        torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
 
 
 @requires_kernels

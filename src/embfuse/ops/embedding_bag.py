@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, MAX, POOLINGS, SCALED, SQRTN, accumulation, backward_inputs,
+from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, MAX, POOLINGS, SCALED, SQRTN, SUM, accumulation, backward_inputs,
                               bag_norms_reference, pool_bag, pool_norm, pooled_values, single_meta)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
@@ -234,25 +234,40 @@ def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode,
     return rowwise_sparse_grad(ids, grad, bag, scale, num_weights, padding_idx, scale_grad_by_freq, kernel)
 
 
-def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status=None):
-    """d out[b] / d w[p] = weight[ids[p]]: one dot product per pooled position."""
+def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status=None, mode=SUM, out=None):
+    """The gradient of the per-sample weights: under sum, d out[b] / d w[p] = weight[ids[p]], one
+    dot product per pooled position; under sqrtn (out = S / n, n = sqrt(sum of w^2)),
+    g . e_p / n - (g . out) w_p / n^2, with `out` the forward's output, and 0 in a bag whose
+    weights are all 0 (its output is 0 whatever they are, as TensorFlow's div_no_nan)."""
     if status is not None:  # a bad batch: no position is pooled
         indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     B = offsets.numel() - 1
-    keep, bag = pooled_values(indices, offsets, padding_idx)
     acc = torch.promote_types(grad.dtype, torch.float32)
-    dots = (grad[bag].to(acc) * weight[indices.long()].to(acc)).sum(1) if B else torch.zeros_like(psw, dtype=acc)
+    if not B:
+        return torch.zeros_like(psw)
+    keep, bag = pooled_values(indices, offsets, padding_idx)
+    g = grad[bag].to(acc)
+    dots = (g * weight[indices.long()].to(acc)).sum(1)
+    if mode == SQRTN:
+        meta = single_meta(weight.shape[0], weight.shape[1], mode, weight.device)
+        norm = bag_norms_reference(indices, offsets, psw, meta, B, padding_idx, acc)[2]
+        w = torch.where(keep, psw.to(acc), 0)
+        zero = torch.zeros(B, dtype=acc, device=w.device).index_add_(0, bag, w * w)[bag] == 0
+        norm = norm[bag]
+        dots = dots / norm - (g * out[bag].to(acc)).sum(1) * psw.to(acc) / (norm * norm)
+        dots = torch.where(zero, 0, dots)  # a bag whose weights are all 0 pools 0: TF's div_no_nan
     return torch.where(keep, dots, 0).to(psw.dtype)
 
 
 def _setup_context(ctx, inputs, output):
     weight, indices, offsets, psw, status, mode, padding_idx, scale_grad_by_freq, sparse = inputs
-    ctx.save_for_backward(weight, indices, offsets, psw, status, output[1])
+    sqrtn_psw = psw is not None and mode == SQRTN  # its weights' gradient reads the output
+    ctx.save_for_backward(weight, indices, offsets, psw, status, output[1], output[0] if sqrtn_psw else None)
     ctx.args = (weight.shape[0], mode, padding_idx, scale_grad_by_freq, sparse)
 
 
 def _autograd_backward(ctx, grad, _grad_max_ids):
-    weight, indices, offsets, psw, status, max_ids = ctx.saved_tensors
+    weight, indices, offsets, psw, status, max_ids, out = ctx.saved_tensors
     num_weights, mode, padding_idx, scale_grad_by_freq, sparse = ctx.args
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
@@ -266,7 +281,7 @@ def _autograd_backward(ctx, grad, _grad_max_ids):
             grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, status, max_ids, num_weights, mode,
                                                      padding_idx, scale_grad_by_freq)
     if psw is not None and ctx.needs_input_grad[3]:
-        grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status)
+        grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status, mode, out)
     return grad_weight, None, None, grad_psw, None, None, None, None, None
 
 

@@ -64,17 +64,18 @@ class _FusedBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, weight, indices, offsets, psw, mode, padding_idx, fused, check):
         out, _ = pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=_status(check))
-        ctx.save_for_backward(indices, offsets, psw)
+        ctx.save_for_backward(indices, offsets, psw, out)
         ctx.weight, ctx.mode, ctx.padding_idx, ctx.fused, ctx.check = weight, mode, padding_idx, fused, check
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        indices, offsets, psw = ctx.saved_tensors
+        indices, offsets, psw, out = ctx.saved_tensors
         status = _status(ctx.check)
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[4]:  # before the rows change
-            grad_psw = per_sample_weights_grad(grad, ctx.weight, indices, offsets, psw, ctx.padding_idx, status)
+            grad_psw = per_sample_weights_grad(grad, ctx.weight, indices, offsets, psw, ctx.padding_idx, status,
+                                               ctx.mode, out)
         fused = ctx.fused
         with fused.stepping(ctx.check) as step:
             if step is not None and offsets.numel() > 1:

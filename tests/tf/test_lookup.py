@@ -1,0 +1,182 @@
+"""embfuse.tf against TensorFlow's documented results and a float64 oracle written entry by entry
+from TensorFlow's rules (tf.compat.v1.nn.embedding_ops: combiners, pruning, fill_empty_rows,
+clip_by_norm, mod/div partitions)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import embfuse
+from embfuse.tf import embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
+from tests.conftest import DEVICES
+from tests.tolerances import assert_close
+
+
+def sparse(entries, shape, device="cpu", dtype=torch.int64):
+    """A torch sparse COO tensor from [(index tuple, value)] in the given (row-major) order."""
+    idx = torch.tensor([list(i) for i, _ in entries], dtype=torch.int64).T.reshape(len(shape), -1)
+    vals = torch.tensor([v for _, v in entries], dtype=dtype)
+    return torch.sparse_coo_tensor(idx, vals, shape).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensorflows_documented_examples(device):
+    """The examples of TensorFlow's docstrings for embedding_lookup_sparse (combiner mean,
+    weighted) and safe_embedding_lookup_sparse (an id of -1 pruned, default_id 0)."""
+    params = torch.randn(10, 4, dtype=torch.float64, device=device)
+    at = [(0, 0), (0, 1), (1, 0), (2, 3)]
+    weights = sparse(list(zip(at, [2.0, 0.5, 1.0, 3.0])), (3, 5), device, torch.float64)
+    out = embedding_lookup_sparse(params, sparse(list(zip(at, [1, 3, 0, 1])), (3, 5), device), weights,
+                                  combiner="mean")
+    want = torch.stack([(params[1] * 2.0 + params[3] * 0.5) / 2.5, params[0], params[1]])
+    torch.testing.assert_close(out, want)
+    out = safe_embedding_lookup_sparse(params, sparse(list(zip(at, [1, 3, -1, 1])), (3, 5), device), weights,
+                                       combiner="mean", default_id=0)
+    torch.testing.assert_close(out, want)  # row 1: its only id pruned, the default id 0 with weight 1
+
+
+@pytest.mark.parametrize("strategy,shards", [
+    ("div", [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10], [11, 12]]),
+    ("mod", [[0, 5, 10], [1, 6, 11], [2, 7, 12], [3, 8], [4, 9]]),
+])
+def test_partitions_follow_tensorflows_documented_layout(strategy, shards):
+    """TensorFlow's embedding_lookup docstring: 13 ids over 5 shards."""
+    params = [torch.tensor(s, dtype=torch.float64)[:, None] for s in shards]
+    ids = torch.arange(13)
+    assert torch.equal(embedding_lookup(params, ids, partition_strategy=strategy)[:, 0], ids.double())
+
+
+def _clip(e, max_norm):
+    if max_norm is None:
+        return e
+    norm = torch.sqrt((e * e).sum()) if bool((e * e).sum() > 0) else (e * e).sum()
+    return e * max_norm / torch.clamp(norm, min=max_norm)
+
+
+def _row_of(shards, i, strategy):
+    P = len(shards)
+    if P == 1:
+        return shards[0][i]
+    if strategy == "mod":
+        return shards[i % P][i // P]
+    total = sum(s.shape[0] for s in shards)
+    q, r = divmod(total, P)
+    for p in range(P):  # shard p holds ids [start, start + size)
+        start, size = p * q + min(p, r), q + (p < r)
+        if start <= i < start + size:
+            return shards[p][i - start]
+    raise AssertionError(i)
+
+
+def oracle(shards, entries, batch_shape, combiner, default_id, max_norm, strategy, safe):
+    """TensorFlow's rules entry by entry: entries = [(output row, id, weight or None)]."""
+    D = shards[0].shape[1]
+    out = []
+    for r in range(math.prod(batch_shape)):
+        mine = [(i, w) for row, i, w in entries if row == r]
+        if safe:
+            mine = [(i, w) for i, w in mine if i >= 0 and (w is None or combiner == "sum" or w > 0)]
+            if not mine and default_id is not None:
+                mine = [(default_id, None if entries and entries[0][2] is None else 1.0)]
+        ws = [torch.tensor(1.0, dtype=torch.float64) if w is None else w for _, w in mine]
+        total = sum((w * _clip(_row_of(shards, i, strategy).double(), max_norm) for (i, _), w in zip(mine, ws)),
+                    torch.zeros(D, dtype=torch.float64))
+        div = {"sum": 1.0, "mean": sum(ws, torch.tensor(0.0, dtype=torch.float64)),
+               "sqrtn": torch.sqrt(sum((w * w for w in ws), torch.tensor(0.0, dtype=torch.float64)))}[combiner]
+        out.append(total / div if (combiner == "sum" or div != 0) else total * 0)
+    return torch.stack(out).reshape(*batch_shape, D)
+
+
+def batch(rank, weighted, safe, total, seed):
+    """Random sparse ids (rank 2 or 3, row-major, empty rows included) and weights."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (4, 5) if rank == 2 else (2, 3, 4)
+    entries = []
+    for at in itertools.product(*(range(s) for s in shape)):
+        if at[:-1] == (1,) * (rank - 1) or torch.rand((), generator=g) < 0.5:
+            continue  # row 1 (1, 1) stays empty, the rest half full
+        i = int(torch.randint(-1 if safe else 0, total, (), generator=g))
+        w = float(torch.rand((), generator=g)) * 1.2 - 0.2 if weighted else None
+        entries.append((at, i, w))
+    return shape, entries
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("default_id", [None, 2])
+@pytest.mark.parametrize("max_norm", [None, 0.7])
+@pytest.mark.parametrize("strategy,num_shards", [("div", 1), ("div", 3), ("mod", 3), ("div", 5), ("mod", 5)])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_safe_lookup_matches_tensorflows_rules(device, combiner, weighted, default_id, max_norm, strategy,
+                                               num_shards, rank):
+    sizes = {1: [17], 3: [5, 4, 4], 5: [4, 4, 4, 4, 3]}[num_shards]
+    total = sum(sizes)
+    shards = [torch.randn(n, 3, dtype=torch.float64, device=device, requires_grad=True) for n in sizes]
+    shape, entries = batch(rank, weighted, True, total, seed=rank * 7 + num_shards)
+    ids = sparse([(at, i) for at, i, _ in entries], shape, device)
+    w = sparse([(at, wt) for at, _, wt in entries], shape, device, torch.float64) if weighted else None
+    params = shards[0] if num_shards == 1 else shards
+    out = safe_embedding_lookup_sparse(params, ids, w, combiner=combiner, default_id=default_id, max_norm=max_norm,
+                                       partition_strategy=strategy)
+    flat = [(sum(a * math.prod(shape[k + 1:-1]) for k, a in enumerate(at[:-1])), i,
+             None if wt is None else torch.tensor(wt, dtype=torch.float64)) for at, i, wt in entries]
+    cpu_shards = [s.detach().cpu().requires_grad_() for s in shards]
+    want = oracle(cpu_shards, flat, shape[:-1], combiner, default_id, max_norm, strategy, safe=True)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    got = torch.autograd.grad(out, shards, g.to(device), allow_unused=True)
+    expect = torch.autograd.grad(want, cpu_shards, g, allow_unused=True)
+    for a, b in zip(got, expect):
+        a = torch.zeros_like(shards[0][:0]) if a is None else a
+        b = torch.zeros_like(a).cpu() if b is None else b
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_lookup_sparse_in_low_precision_matches_float64(device, dtype, combiner):
+    """embedding_lookup_sparse: trailing empty rows dropped, inner ones zeros; fp16/bf16 tables
+    pooled in fp32 (the one-table path through embfuse's embedding_bag)."""
+    table = torch.randn(20, 8, device=device)
+    entries = [((0, 0), 3, 0.5), ((0, 1), 7, 2.0), ((2, 0), 3, 1.0), ((2, 1), 3, 0.25), ((2, 4), 19, 1.5)]
+    ids = sparse([(at, i) for at, i, _ in entries], (6, 5), device)
+    w = sparse([(at, wt) for at, _, wt in entries], (6, 5), device, torch.float32).to(dtype)
+    out = embedding_lookup_sparse(table.to(dtype), ids, w, combiner=combiner)
+    assert out.shape == (3, 8) and out.dtype == dtype
+    want = oracle([table.double().cpu()], [(at[0], i, torch.tensor(wt).to(dtype).double()) for at, i, wt in entries],
+                  (3,), combiner, None, None, "mod", safe=False)
+    assert_close(out, want, dtype, reduction=3)
+
+
+def test_bad_input_is_refused_clearly():
+    table = torch.randn(10, 4)
+    ids = sparse([((0, 0), 3), ((1, 0), 10)], (2, 2))
+    with pytest.raises(IndexError, match="id 10 at position 1 is out of range for a table of 10 rows"):
+        embedding_lookup_sparse(table, ids, None)
+    with pytest.raises(ValueError, match="shard 1 is .* shards share a width"):
+        safe_embedding_lookup_sparse([table, torch.randn(3, 5)], sparse([((0, 0), 1)], (1, 2)))
+    with pytest.raises(ValueError, match="same indices as sparse_ids"):
+        safe_embedding_lookup_sparse(table, sparse([((0, 0), 1)], (1, 2)),
+                                     sparse([((0, 1), 1.0)], (1, 2), dtype=torch.float32))
+    with pytest.raises(ValueError, match="shard 0 has 10 rows; 2 shards of 13 rows in all hold 7"):
+        embedding_lookup([table, torch.randn(3, 4)], torch.tensor([1]))
+    with pytest.raises(ValueError, match="rank 2 or more"):
+        safe_embedding_lookup_sparse(table, torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1]), (3,)))
+    with pytest.raises(TypeError, match="sparse COO tensor"):
+        safe_embedding_lookup_sparse(table, torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="combiner must be one of"):
+        safe_embedding_lookup_sparse(table, ids, combiner="max")
+    with pytest.raises(IndexError, match="default_id 12 is out of range"):
+        safe_embedding_lookup_sparse(table, sparse([((0, 0), 1)], (1, 2)), default_id=12)
+    before = table.clone()
+    safe_embedding_lookup_sparse(table, sparse([((0, 0), 1)], (1, 2)), max_norm=0.1)
+    assert torch.equal(table, before)  # TensorFlow clips a copy; the table is never renormed
+
+
+def test_module_level_access():
+    assert embfuse.tf.safe_embedding_lookup_sparse is safe_embedding_lookup_sparse
