@@ -148,7 +148,9 @@ def test_lookup_sparse_in_low_precision_matches_float64(device, dtype, combiner)
     w = sparse([(at, wt) for at, _, wt in entries], (6, 5), device, torch.float32).to(dtype)
     out = embedding_lookup_sparse(table.to(dtype), ids, w, combiner=combiner)
     assert out.shape == (3, 8) and out.dtype == dtype
-    want = oracle([table.double().cpu()], [(at[0], i, torch.tensor(wt).to(dtype).double()) for at, i, wt in entries],
+    # the oracle reads the table as stored (rounded to dtype), in float64
+    want = oracle([table.to(dtype).double().cpu()], [(at[0], i, torch.tensor(wt).to(dtype).double())
+                                                     for at, i, wt in entries],
                   (3,), combiner, None, None, "mod", safe=False)
     assert_close(out, want, dtype, reduction=3)
 

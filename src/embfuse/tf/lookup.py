@@ -200,7 +200,7 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     weights = _weights_of(sp_weights, indices, ids.numel())
     ids = ids.long()
     _check_ids(ids, _total_rows(shards, partition_strategy), "embedding_lookup_sparse")
-    rows = indices[0]
+    rows = indices[0].contiguous()
     num_rows = int(rows.max()) + 1 if rows.numel() else 0
     return _combine(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
 
