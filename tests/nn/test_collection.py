@@ -240,3 +240,32 @@ def test_a_batch_of_values_but_no_bags_is_refused(device):
         validate_collection(torch.tensor([1, 2], device=device), torch.zeros(1, dtype=torch.long, device=device),
                             None, plan.limits, 0, ["uid"], ["user"])
     assert isinstance(e.value, RuntimeError)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sqrtn_tables_pool_and_train_like_the_single_table_op(device, weighted):
+    """pooling="sqrtn" in a collection (mixed with sum and mean, weighted or not): each feature
+    as embfuse.embedding_bag(mode="sqrtn") pools it, in float64; and one fused SGD step moves
+    the rows as that op's gradient says."""
+    ts = [EmbeddingBagConfig(20, 4, "user", torch.float64, ["uid", "friend"], pooling="sqrtn"),
+          EmbeddingBagConfig(9, 3, "item", torch.float64, ["iid"], pooling="sum" if weighted else "mean"),
+          EmbeddingBagConfig(5, 8, "genre", torch.float64, ["genres"], pooling="sqrtn")]
+    ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device, optimizer=SGD(lr=0.5))
+    kjt = random_kjt(["uid", "friend", "iid", "genres"], 5, device, weighted)
+    before = [w.detach().clone().requires_grad_() for w in ebc.table_weights()]
+    d, want, loss = kjt.to_dict(), [], 0
+    for t, w in zip(ebc.tables, before):
+        for f in t.feature_names:
+            jt = d[f]
+            pooled = embfuse.embedding_bag(jt.values(), w, jt.offsets(), mode=t.pooling, include_last_offset=True,
+                                           per_sample_weights=jt.weights().double() if weighted else None)
+            want.append(pooled)
+    want = torch.cat(want, 1)
+    out = ebc(kjt).values()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want.backward(g)
+    for w0, w1 in zip(before, ebc.table_weights()):
+        torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)
