@@ -269,3 +269,8 @@ def test_sqrtn_tables_pool_and_train_like_the_single_table_op(device, weighted):
     want.backward(g)
     for w0, w1 in zip(before, ebc.table_weights()):
         torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_is_weighted_is_torchrecs_method():
+    assert EmbeddingBagCollection(tables(), is_weighted=True).is_weighted() is True
+    assert EmbeddingBagCollection(tables()).is_weighted() is False

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import embfuse
 from embfuse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
@@ -93,14 +94,40 @@ def test_validate_names_the_problem(bad, message):
 
 
 def test_constructor_rejects_bad_layouts():
-    with pytest.raises(ValueError, match="keys must be unique"):
-        KeyedJaggedTensor(["a", "a"], torch.arange(2), lengths=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="do not split evenly"):
         KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1, 1]))
-    with pytest.raises(TypeError, match="must be integers"):
-        KeyedJaggedTensor(["a"], torch.rand(2), lengths=torch.tensor([2]))
     with pytest.raises(KeyError, match="no key 'z'"):
         KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]))["z"]
+
+
+def test_a_kjt_is_a_generic_jagged_container_as_torchrecs():
+    """Float and 2-D values and repeated keys are TorchRec's (issue 20); only a lookup needs
+    integer ids, and it says so."""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.rand(5, 3), lengths=torch.tensor([1, 1, 2, 1]),
+                            weights=torch.rand(5))
+    assert kjt["b"].values().shape == (3, 3) and kjt["b"].weights().shape == (3,)
+    assert torch.equal(kjt.to("cpu").values(), kjt.values())
+    twice = kjt.permute([1, 1, 0])
+    assert twice.keys() == ["b", "b", "a"] and twice.length_per_key() == [3, 3, 2]
+    assert torch.equal(twice.values(), torch.cat([kjt.values()[2:], kjt.values()[2:], kjt.values()[:2]]))
+    repeated = KeyedJaggedTensor(["a", "a"], torch.arange(3), lengths=torch.tensor([1, 2]))
+    assert repeated["a"].values().tolist() == [1, 2]  # the last "a", as TorchRec's
+    with pytest.raises(TypeError, match="values must be int32 or int64, got torch.float32"):
+        embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(4, 2, "t", feature_names=["a"])])(
+            KeyedJaggedTensor(["a"], torch.rand(2), lengths=torch.tensor([2])))
+
+
+def test_keyed_tensor_regroup_and_from_tensor_list():
+    """TorchRec's KeyedTensor.regroup / regroup_as_dict / from_tensor_list."""
+    a = KeyedTensor.from_tensor_list(["x", "y"], [torch.rand(4, 2), torch.rand(4, 3)])
+    b = KeyedTensor(["z"], [1], torch.rand(4, 1))
+    assert a.length_per_key() == [2, 3] and a.values().shape == (4, 5)
+    g1, g2 = KeyedTensor.regroup([a, b], [["z", "x"], ["y"]])
+    assert torch.equal(g1, torch.cat([b["z"], a["x"]], 1)) and torch.equal(g2, a["y"])
+    d = KeyedTensor.regroup_as_dict([a, b], [["y", "z"]], ["yz"])
+    assert list(d) == ["yz"] and torch.equal(d["yz"], torch.cat([a["y"], b["z"]], 1))
+    with pytest.raises(KeyError, match="no KeyedTensor holds key 'w'"):
+        KeyedTensor.regroup([a], [["w"]])
 
 
 def test_keyed_tensor_and_jagged_tensor():

@@ -218,7 +218,7 @@ class EmbeddingBagCollection(_Collection):
         for t in tables:
             _pooling(t.pooling)
         super().__init__(tables, device, optimizer, bounds_check)
-        self.is_weighted = is_weighted
+        self._is_weighted = is_weighted
         self._hot = None
         if hot_rows and optimizer is None:
             raise ValueError("hot_rows is a path of the fused training step: it needs optimizer=")
@@ -240,6 +240,10 @@ class EmbeddingBagCollection(_Collection):
                 col += t.embedding_dim
         self._dims = [self.tables[self._feature[f][0]].embedding_dim for f in self.feature_names]
 
+    def is_weighted(self) -> bool:
+        """Whether the batch's weights scale the pooled rows (TorchRec's method)."""
+        return self._is_weighted
+
     def _plan(self, keys: list[str], device) -> Plan:
         key = (tuple(keys), device)
         if key not in self._plans:
@@ -250,8 +254,8 @@ class EmbeddingBagCollection(_Collection):
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
-        psw = kjt.weights_or_none() if self.is_weighted else None
-        if self.is_weighted and psw is None:
+        psw = kjt.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
         fused = self._fused_now()
         values, offsets, psw, check = validate_collection(

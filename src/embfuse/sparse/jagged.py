@@ -39,12 +39,14 @@ class _Jagged:
                 raise TypeError(f"{kind}: {name} must be integers, got {t.dtype}")
             if t is not None and t.dim() != 1:
                 raise ValueError(f"{kind}: {name} must be 1-D, got shape {tuple(t.shape)}")
+        if values.dim() < 1:
+            raise ValueError(f"{kind}: values must have a first dimension (one entry a value), got a scalar")
         if weights is not None:
             if not weights.is_floating_point():
                 raise TypeError(f"{kind}: weights must be floating point, got {weights.dtype}")
-            if weights.shape != values.shape:
+            if weights.shape != values.shape[:1]:
                 raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
-                                 f"{tuple(values.shape)}")
+                                 f"{tuple(values.shape)} (one weight a value)")
         if offsets is not None and offsets.device.type == "cpu" and offsets.numel():
             dec = (offsets[1:] < offsets[:-1]).nonzero()
             if int(offsets[0]) != 0 or dec.numel():
@@ -90,8 +92,11 @@ class JaggedTensor(_Jagged):
 
 
 class KeyedJaggedTensor(_Jagged):
-    """keys: feature names (unique); values: all ids, key-major; lengths or offsets (F * B [+1]);
-    weights: optional per-value floats; stride: B (inferred from the lengths when omitted)."""
+    """keys: feature names; values: every key's values, key-major (ids for a lookup, which checks
+    their dtype; any dtype and shape [n, ...] otherwise, as TorchRec's generic container);
+    lengths or offsets (F * B [+1]); weights: optional per-value floats; stride: B (inferred from
+    the lengths when omitted). A key may appear twice (permute([1, 1])): indexing by it finds the
+    last, as TorchRec's does."""
 
     def __init__(self, keys: Sequence[str], values: Tensor, weights: Optional[Tensor] = None,
                  lengths: Optional[Tensor] = None, offsets: Optional[Tensor] = None, stride: Optional[int] = None,
@@ -99,13 +104,6 @@ class KeyedJaggedTensor(_Jagged):
         if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
             raise TypeError(f"keys must be a sequence of strings (feature names), got {keys!r}")
         self._keys = list(keys)
-        if len(set(self._keys)) != len(self._keys):
-            dup = next(k for k in self._keys if self._keys.count(k) > 1)
-            raise ValueError(f"keys must be unique; {dup!r} appears more than once")
-        if values.dim() != 1:
-            raise ValueError(f"values must be 1-D, got shape {tuple(values.shape)}")
-        if values.is_floating_point():
-            raise TypeError(f"values are ids and must be integers, got {values.dtype}")
         self._set(values, weights, lengths, offsets)
         F = len(self._keys)
         n = self._lengths.numel()
@@ -160,7 +158,7 @@ class KeyedJaggedTensor(_Jagged):
             list(jt_dict), torch.cat([jt.values() for jt in jts]),
             torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
             lengths=torch.cat([jt.lengths() for jt in jts]),
-            length_per_key=[jt.values().numel() for jt in jts])
+            length_per_key=[jt.values().shape[0] for jt in jts])
 
     # --- slicing by key ---
     def _key_slices(self):
@@ -169,12 +167,14 @@ class KeyedJaggedTensor(_Jagged):
         for i, key in enumerate(self._keys):
             yield key, slice(i * B, (i + 1) * B), slice(opk[i], opk[i] + lpk[i])
 
+    def _per_key(self) -> list[JaggedTensor]:
+        """Each key's JaggedTensor, by position (keys may repeat)."""
+        return [JaggedTensor(self._values[vs], None if self._weights is None else self._weights[vs],
+                             lengths=self._lengths[ls]) for _, ls, vs in self._key_slices()]
+
     def to_dict(self) -> dict[str, JaggedTensor]:
-        out = {}
-        for key, ls, vs in self._key_slices():
-            w = None if self._weights is None else self._weights[vs]
-            out[key] = JaggedTensor(self._values[vs], w, lengths=self._lengths[ls])
-        return out
+        """key -> JaggedTensor (a repeated key: its last occurrence, as TorchRec's)."""
+        return dict(zip(self._keys, self._per_key()))
 
     def __getitem__(self, key: str) -> JaggedTensor:
         if key not in self._keys:
@@ -200,8 +200,8 @@ class KeyedJaggedTensor(_Jagged):
 
     def permute(self, indices: Sequence[int]) -> "KeyedJaggedTensor":
         """A KJT whose key i is this one's key indices[i] (keys may repeat or be left out)."""
-        parts = self.to_dict()
-        jts = [parts[self._keys[i]] for i in indices]
+        parts = self._per_key()
+        jts = [parts[i] for i in indices]
         return KeyedJaggedTensor(
             [self._keys[i] for i in indices], torch.cat([jt.values() for jt in jts]) if jts else self._values[:0],
             None if self._weights is None else torch.cat([jt.weights() for jt in jts]) if jts else self._weights[:0],
@@ -224,8 +224,8 @@ class KeyedJaggedTensor(_Jagged):
 
     def _check_total(self, total: int) -> None:
         """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
-        if total != self._values.numel():
-            raise ValueError(f"lengths add up to {total} but there are {self._values.numel()} values")
+        if total != self._values.shape[0]:
+            raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
 
     # --- moving ---
     def _tensors(self):
@@ -256,7 +256,7 @@ class KeyedJaggedTensor(_Jagged):
         for t, a, s in zip(parts, starts, sizes):
             buf[a:a + s] = t.contiguous().view(-1).view(torch.uint8)
         moved = buf.to(device, non_blocking=non_blocking)
-        out = [moved[a:a + s].view(t.dtype) for t, a, s in zip(parts, starts, sizes)]
+        out = [moved[a:a + s].view(t.dtype).view(t.shape) for t, a, s in zip(parts, starts, sizes)]
         return self._with(*out)
 
     # --- checks and TorchRec interop ---
@@ -265,7 +265,7 @@ class KeyedJaggedTensor(_Jagged):
         F, B = len(self._keys), self._stride
         if self._lengths.is_floating_point():
             raise TypeError(f"lengths must be integers, got {self._lengths.dtype}")
-        if self._weights is not None and self._weights.shape != self._values.shape:
+        if self._weights is not None and self._weights.shape != self._values.shape[:1]:
             raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
                              f"{tuple(self._values.shape)}")
         lengths = self._lengths.reshape(F, B) if F else self._lengths.reshape(0, 0)
@@ -275,8 +275,8 @@ class KeyedJaggedTensor(_Jagged):
             f, b = (lengths < 0).nonzero()[0].tolist()
             raise ValueError(f"feature {self._keys[f]!r}: lengths[{f * B + b}] (sample {b}) = "
                              f"{int(lengths[f, b])} is negative")
-        if total != self._values.numel():
-            raise ValueError(f"lengths add up to {total} but there are {self._values.numel()} values")
+        if total != self._values.shape[0]:
+            raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
         return self
 
     @staticmethod
@@ -321,6 +321,45 @@ class KeyedTensor:
 
     def __getitem__(self, key: str) -> Tensor:
         return self.to_dict()[key]
+
+    @staticmethod
+    def from_tensor_list(keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1,
+                         cat_dim: int = 1) -> "KeyedTensor":
+        """TorchRec's: one tensor a key, concatenated along `cat_dim`; each key's length is its
+        tensor's size along `key_dim`."""
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
+        return KeyedTensor(keys, [t.shape[key_dim] for t in tensors], torch.cat(list(tensors), dim=cat_dim),
+                           key_dim)
+
+    @staticmethod
+    def regroup(keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+        """TorchRec's: for each group of keys, those keys' columns (from whichever KeyedTensor holds
+        them; all share their other dimensions) concatenated in the group's order."""
+        if not keyed_tensors:
+            raise ValueError("regroup needs at least one KeyedTensor")
+        dim = keyed_tensors[0].key_dim()
+        where = {}
+        for kt in keyed_tensors:
+            if kt.key_dim() != dim:
+                raise ValueError(f"KeyedTensors of key_dim {dim} and {kt.key_dim()} cannot be regrouped together")
+            for key, part in kt.to_dict().items():
+                where.setdefault(key, part)  # the first KeyedTensor holding a key gives it
+        out = []
+        for group in groups:
+            missing = [k for k in group if k not in where]
+            if missing:
+                raise KeyError(f"no KeyedTensor holds key {missing[0]!r}")
+            out.append(torch.cat([where[k] for k in group], dim=dim))
+        return out
+
+    @staticmethod
+    def regroup_as_dict(keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]],
+                        keys: Sequence[str]) -> dict[str, Tensor]:
+        """`regroup`, each group named by keys[i]."""
+        if len(groups) != len(keys):
+            raise ValueError(f"{len(groups)} groups but {len(keys)} names")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
