@@ -169,3 +169,23 @@ def test_slicing_by_key_refuses_lengths_that_do_not_add_up():
         kjt.to_dict()
     with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values"):
         kjt.split([1, 1])
+
+
+def test_torchrecs_constructors():
+    """JaggedTensor.empty / from_dense_lengths / from_dense, KeyedJaggedTensor.empty / empty_like."""
+    e = JaggedTensor.empty(is_weighted=True, values_dtype=torch.int64, weights_dtype=torch.float32)
+    assert e.values().shape == (0,) and e.weights().dtype == torch.float32 and e.lengths().dtype == torch.int32
+    dense = torch.arange(12.0).reshape(3, 4)
+    jt = JaggedTensor.from_dense_lengths(dense, torch.tensor([2, 0, 3]), weights=dense * 10)
+    assert jt.values().tolist() == [0.0, 1.0, 8.0, 9.0, 10.0] and jt.weights().tolist() == [0.0, 10.0, 80.0, 90.0,
+                                                                                             100.0]
+    assert jt.offsets().tolist() == [0, 2, 2, 5]
+    jt = JaggedTensor.from_dense([torch.tensor([1.0]), torch.tensor([]), torch.tensor([7.0, 8.0])])
+    assert jt.lengths().tolist() == [1, 0, 2] and jt.lengths().dtype == torch.int32 and jt.values().tolist() == [
+        1.0, 7.0, 8.0]
+    k = KeyedJaggedTensor.empty(is_weighted=True)
+    assert k.keys() == [] and k.stride() == 0 and k.weights().numel() == 0
+    src = KeyedJaggedTensor(["a", "b"], torch.arange(3), torch.rand(3), lengths=torch.tensor([1, 0, 1, 1]))
+    like = KeyedJaggedTensor.empty_like(src)
+    assert like.keys() == [] and like.stride() == 2 and like.values().dtype == torch.int64
+    assert like.weights().dtype == torch.float32 and like.lengths().numel() == 0

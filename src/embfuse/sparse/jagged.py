@@ -87,6 +87,28 @@ class JaggedTensor(_Jagged):
         """One tensor per sample."""
         return list(torch.split(self._values, self._lengths.tolist()))
 
+    @staticmethod
+    def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
+              lengths_dtype: torch.dtype = torch.int32) -> "JaggedTensor":
+        """TorchRec's: no samples, no values (and no offsets at all)."""
+        empty = torch.empty(0, dtype=lengths_dtype, device=device)
+        return JaggedTensor(torch.empty(0, dtype=values_dtype, device=device),
+                            torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                            lengths=empty, offsets=empty)
+
+    @staticmethod
+    def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> "JaggedTensor":
+        """TorchRec's: sample b's list is the first lengths[b] entries of values[b] (B, N, ...)."""
+        keep = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
+        return JaggedTensor(values[keep], None if weights is None else weights[keep], lengths=lengths)
+
+    @staticmethod
+    def from_dense(values: Sequence[Tensor], weights: Optional[Sequence[Tensor]] = None) -> "JaggedTensor":
+        """TorchRec's: one tensor a sample (int32 lengths, as TorchRec's)."""
+        cat = torch.cat(list(values), dim=0)
+        lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int32, device=cat.device)
+        return JaggedTensor(cat, None if weights is None else torch.cat(list(weights), dim=0), lengths=lengths)
+
     def __repr__(self) -> str:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
 
@@ -145,6 +167,22 @@ class KeyedJaggedTensor(_Jagged):
     @staticmethod
     def from_offsets_sync(keys, values, offsets, weights=None, stride=None) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(keys, values, weights, offsets=offsets, stride=stride)
+
+    @staticmethod
+    def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
+              lengths_dtype: torch.dtype = torch.int32) -> "KeyedJaggedTensor":
+        """TorchRec's: no keys, no values, stride 0."""
+        return KeyedJaggedTensor([], torch.empty(0, dtype=values_dtype, device=device),
+                                 torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                                 lengths=torch.empty(0, dtype=lengths_dtype, device=device), stride=0)
+
+    @staticmethod
+    def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
+        """TorchRec's: no keys, the dtypes, device and stride of `kjt`."""
+        w = kjt.weights_or_none()
+        return KeyedJaggedTensor([], kjt.values().new_empty((0,) + tuple(kjt.values().shape[1:])),
+                                 None if w is None else w.new_empty(0), lengths=kjt.lengths().new_empty(0),
+                                 stride=kjt.stride())
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
