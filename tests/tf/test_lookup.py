@@ -182,3 +182,22 @@ def test_bad_input_is_refused_clearly():
 
 def test_module_level_access():
     assert embfuse.tf.safe_embedding_lookup_sparse is safe_embedding_lookup_sparse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_batches(device):
+    """Every id pruned (zeros, or the default id's row), no ids at all, and entries not in
+    row-major order (pooled alike)."""
+    t = torch.randn(5, 3, device=device)
+    pruned = sparse([((0, 0), -1), ((1, 0), -1)], (3, 2), device)
+    for combiner in ("sum", "mean", "sqrtn"):
+        assert torch.equal(safe_embedding_lookup_sparse(t, pruned, combiner=combiner), torch.zeros(3, 3, device=device))
+        torch.testing.assert_close(safe_embedding_lookup_sparse(t, pruned, combiner=combiner, default_id=1),
+                                   t[1].expand(3, 3))
+    none = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                   (3, 2)).to(device)
+    assert embedding_lookup_sparse(t, none, None).shape == (0, 3)
+    assert torch.equal(safe_embedding_lookup_sparse(t, none), torch.zeros(3, 3, device=device))
+    unordered = sparse([((2, 0), 1), ((0, 0), 2), ((2, 1), 4)], (3, 2), device)
+    torch.testing.assert_close(embedding_lookup_sparse(t, unordered, None, combiner="sum"),
+                               torch.stack([t[2], torch.zeros(3, device=device), t[1] + t[4]]))
