@@ -128,6 +128,7 @@ def test_keyed_tensor_regroup_and_from_tensor_list():
     assert list(d) == ["yz"] and torch.equal(d["yz"], torch.cat([a["y"], b["z"]], 1))
     with pytest.raises(KeyError, match="no KeyedTensor holds key 'w'"):
         KeyedTensor.regroup([a], [["w"]])
+    assert a._key_indices() == {"x": 0, "y": 1}  # what TorchRec's own regroup functions read
 
 
 def test_keyed_tensor_and_jagged_tensor():

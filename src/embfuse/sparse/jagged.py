@@ -360,6 +360,11 @@ class KeyedTensor:
     def __getitem__(self, key: str) -> Tensor:
         return self.to_dict()[key]
 
+    def _key_indices(self) -> dict[str, int]:
+        """key -> its position: TorchRec's own functions over KeyedTensors (regroup_kts,
+        permute_multi_embedding) read it, so they take embfuse's KeyedTensor too."""
+        return {k: i for i, k in enumerate(self._keys)}
+
     @staticmethod
     def from_tensor_list(keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1,
                          cat_dim: int = 1) -> "KeyedTensor":
