@@ -87,7 +87,8 @@ def pool_norm_reference(pool: Tensor, count: Tensor, sumsq: Tensor) -> Tensor:
 
 
 def bag_norms_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=torch.float32):
-    """(mask of pooled values, each value's bag, each bag's norm in `dtype`)."""
+    """(mask of pooled values, each value's bag, each bag's norm in `dtype`, each bag's sum of
+    squared weights: its count without weights)."""
     keep, bag = pooled_values(values, offsets, padding_idx)
     FB = offsets.numel() - 1
     pool = meta[:, POOL].repeat_interleave(max(B, 1))[:FB]
@@ -96,13 +97,13 @@ def bag_norms_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=tor
     if psw is not None:
         w = torch.where(keep, psw.to(dtype), 0)
         sumsq = torch.zeros(FB, dtype=dtype, device=values.device).index_add_(0, bag, w * w)
-    return keep, bag, pool_norm_reference(pool, count, sumsq)
+    return keep, bag, pool_norm_reference(pool, count, sumsq), sumsq
 
 
 def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=torch.float32, scaled=True):
     """Per value: (sort key of its row: KEY_START + id, or -1 when no bag pools it; its bag;
     its scale w / norm in `dtype`, or None when every scale is 1: no weights and not `scaled`)."""
-    keep, bag, norm = bag_norms_reference(values, offsets, psw, meta, B, padding_idx, dtype)
+    keep, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, padding_idx, dtype)
     f = bag // max(B, 1)
     keys = torch.where(keep, meta[:, KEY_START][f] + values.long(), -1)
     scale = None

@@ -192,7 +192,7 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     (rows, D) table, global rows (a table's first row + id), and torch's native embedding_bag
     over all F * B bags at once (sum; each bag then divided by its norm, bags.py)."""
     D, F = max_dim, meta.shape[0]
-    _, bag, norm = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
+    _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
     rows = meta[:, ROW_START][bag // max(B, 1)] + values.long()
     table = weights.view(-1, D)
     pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,

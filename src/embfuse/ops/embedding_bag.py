@@ -250,10 +250,8 @@ def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, st
     dots = (g * weight[indices.long()].to(acc)).sum(1)
     if mode == SQRTN:
         meta = single_meta(weight.shape[0], weight.shape[1], mode, weight.device)
-        norm = bag_norms_reference(indices, offsets, psw, meta, B, padding_idx, acc)[2]
-        w = torch.where(keep, psw.to(acc), 0)
-        zero = torch.zeros(B, dtype=acc, device=w.device).index_add_(0, bag, w * w)[bag] == 0
-        norm = norm[bag]
+        _, _, norm, sumsq = bag_norms_reference(indices, offsets, psw, meta, B, padding_idx, acc)
+        zero, norm = sumsq[bag] == 0, norm[bag]
         dots = dots / norm - (g * out[bag].to(acc)).sum(1) * psw.to(acc) / (norm * norm)
         dots = torch.where(zero, 0, dots)  # a bag whose weights are all 0 pools 0: TF's div_no_nan
     return torch.where(keep, dots, 0).to(psw.dtype)

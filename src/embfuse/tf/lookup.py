@@ -131,7 +131,7 @@ def _sparse_parts(sp: Tensor, what: str) -> tuple[Tensor, Tensor, tuple[int, ...
     return sp._indices(), sp._values(), tuple(sp.shape)
 
 
-def _weights_of(sp_weights: Optional[Tensor], indices: Tensor, n: int) -> Optional[Tensor]:
+def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tensor]:
     if sp_weights is None:
         return None
     w_idx, w, _ = _sparse_parts(sp_weights, "sparse_weights")
@@ -197,7 +197,7 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     indices, ids, shape = _sparse_parts(sp_ids, "sp_ids")
     if len(shape) != 2:
         raise BadArgumentError(f"sp_ids must be 2-D (use safe_embedding_lookup_sparse for higher ranks), got {shape}")
-    weights = _weights_of(sp_weights, indices, ids.numel())
+    weights = _weights_of(sp_weights, indices)
     ids = ids.long()
     _check_ids(ids, _total_rows(shards, partition_strategy), "embedding_lookup_sparse")
     rows = indices[0].contiguous()
@@ -215,7 +215,7 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     combiner = _combiner(combiner)
     shards = _shards(embedding_weights, "safe_embedding_lookup_sparse")
     indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
-    weights = _weights_of(sparse_weights, indices, ids.numel())
+    weights = _weights_of(sparse_weights, indices)
     total = _total_rows(shards, partition_strategy)
     if default_id is not None and not 0 <= default_id < total:
         raise BadIdError(f"default_id {default_id} is out of range for a table of {total} rows")
