@@ -26,3 +26,24 @@ def test_readme_examples_run_and_say_what_is_true():
     assert ns["grads"].shape == (touched.numel(), 64)
     out = ns["out"]
     assert out.values().shape == (2, 12) and out["genres"].shape == (2, 4)
+
+
+def test_readme_sharded_example_runs_under_torchrun_and_prints_its_plan(tmp_path):
+    """The README's sharded example, run as it says: torchrun, 2 ranks (gloo on the CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.distributed.worlds import free_port
+
+    root = Path(__file__).parent.parent
+    text = (root / "README.md").read_text()
+    script = re.search(r"```py\n(# sharded.py\n.*?)```", text, re.S).group(1)
+    printed = re.search(r"```py\n# sharded.py\n.*?```\nprints\n```\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "sharded.py").write_text(script)
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                          str(free_port()), str(tmp_path / "sharded.py")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == printed

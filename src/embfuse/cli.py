@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -88,6 +89,8 @@ def bench(args: argparse.Namespace) -> int:
     from embfuse.bench.workloads import workloads
 
     console = Console(width=max(Console().width, 160))
+    if args.distributed:
+        return bench_distributed(args, console)
     if not torch.cuda.is_available():
         console.print("embfuse bench measures GPU kernels and needs a CUDA device; none was found.")
         return 2
@@ -104,6 +107,32 @@ def bench(args: argparse.Namespace) -> int:
     (out / "bench.md").write_text(markdown(result) + "\n")
     plot(result, out / "bench.png")
     console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    return 0
+
+
+def bench_distributed(args: argparse.Namespace, console) -> int:
+    """The sharded training step on every rank of a torchrun launch (bench/distributed.py)."""
+    from rich.table import Table
+
+    from embfuse.bench.distributed import measure, write
+
+    result = measure(args.batch_size, args.rows, args.dim, args.hotness, args.steps, args.warmup, args.device)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
+    t = Table(title=f"sharded step: {result['world_size']} rank(s), {result['backend']}, batch {args.batch_size} a "
+                    f"rank, 26 tables x {args.dim}, rows capped at {args.rows}")
+    for c in ("rank", "device", "step (us)", "examples/s", "in collectives"):
+        t.add_column(c, justify="right")
+    for r in result["ranks"]:
+        t.add_row(str(r["rank"]), r["device"], f"{r['step_us']:.0f}", f"{r['examples_per_s']:,.0f}",
+                  f"{100 * r['comm_share']:.0f}%")
+    console.print(result["plan"])
+    console.print(t)
+    console.print(f"all ranks: {result['examples_per_s_total']:,.0f} examples/s")
+    plain = result["ranks"][0]["unsharded_step_us"]
+    if plain is not None:
+        console.print(f"the same step unsharded (world of one): {plain:.0f} us")
+    console.print(f"wrote {write(result, Path(args.out))}")
     return 0
 
 
@@ -136,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="implementations to measure")
     p.add_argument("--group", nargs="+", help="only these workload groups (grid, csr, half, modes, embedding, "
                    "dlrm, latency)")
+    p.add_argument("--distributed", action="store_true",
+                   help="the sharded training step on every rank: run under torchrun --nproc_per_node=N "
+                   "--no-python embfuse bench --distributed (alone: a world of one)")
+    p.add_argument("--device", default="auto", help="--distributed: cpu (gloo), cuda (nccl) or auto")
+    p.add_argument("--batch-size", type=int, default=16384, help="--distributed: samples a rank")
+    p.add_argument("--rows", type=int, default=1_000_000, help="--distributed: cap on each table's rows")
+    p.add_argument("--dim", type=int, default=128, help="--distributed: embedding width")
+    p.add_argument("--hotness", type=int, default=20, help="--distributed: mean ids a bag")
+    p.add_argument("--steps", type=int, default=20, help="--distributed: timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="--distributed: untimed steps first")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)

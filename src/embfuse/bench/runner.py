@@ -123,6 +123,18 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
     return rows
 
 
+def commit() -> str:
+    """The commit measured: $EMBFUSE_COMMIT (a copy of the tree has no .git), else git's HEAD."""
+    found = os.environ.get("EMBFUSE_COMMIT")
+    if not found:
+        try:
+            found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                   cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        except OSError:
+            found = "unknown"
+    return found
+
+
 def metadata(device, bandwidth: float) -> dict:
     import triton
 
@@ -132,18 +144,11 @@ def metadata(device, bandwidth: float) -> dict:
         fbgemm = getattr(fbgemm_gpu, "__version__", "unknown")
     except ImportError:
         fbgemm = None
-    commit = os.environ.get("EMBFUSE_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
     props = torch.cuda.get_device_properties(device)
     return {
         "gpu": torch.cuda.get_device_name(device), "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "embfuse": embfuse.__version__,
-        "fbgemm_gpu": fbgemm, "commit": commit, "python": platform.python_version(),
+        "fbgemm_gpu": fbgemm, "commit": commit(), "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_bandwidth_GBps": bandwidth / 1e9, "workloads_version": WORKLOADS_VERSION,
     }

@@ -1,0 +1,109 @@
+"""The sharded training step, measured on every rank of a torchrun launch (or a world of one).
+
+`torchrun --nproc_per_node=N --no-python embfuse bench --distributed`: each rank trains the
+26-table Criteo-like collection (bench/collection.py's tables and batches, power-law ids, a fixed
+batch per rank: weak scaling) sharded by the default plan, fused row-wise Adagrad. Reported per
+rank: the step's median time, examples/s of this rank, and the share of the step the
+collectives held it (CommTimer: CUDA events on the GPU, the host clock on gloo). NCCL on GPUs,
+gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import embfuse
+import embfuse.distributed as ed
+from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.runner import commit
+from embfuse.bench.workloads import Workload
+from embfuse.optim import RowWiseAdagrad
+
+
+def _init(device: str) -> tuple[torch.device, bool]:
+    """Join torchrun's process group (or make a world of one); the device of this rank."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    made = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        made = True
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), made
+
+
+def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: int, device: str = "auto",
+            plan=None) -> dict:
+    """Time the sharded step on every rank; returns every rank's figures (on every rank)."""
+    dev, made = _init(device)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        w = Workload("criteo-sharded", "collection-train-rowwise", rows, dim, batch, hotness, "powerlaw", 1.05,
+                     "csr", tables=26)
+        torch.manual_seed(0)
+        ebc = embfuse.EmbeddingBagCollection(
+            [embfuse.EmbeddingBagConfig(r, dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
+            device=dev, optimizer=RowWiseAdagrad(lr=0.01))
+        model = ed.shard(ebc, plan)
+        batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
+        timer = ed.CommTimer()
+        model.comm_timer = timer
+        times, comm = _time_steps(model, batches, steps, warmup, dev, timer)
+        plain = None
+        if world == 1:  # the sharding layer's own cost: the same step unsharded, in the same run
+            plain = statistics.median(_time_steps(ebc, batches, steps, warmup, dev)[0])
+        del ebc
+        step = statistics.median(times)
+        mine = {"rank": rank, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "step_us": step * 1e6, "examples_per_s": batch / step, "comm_share": statistics.median(comm) / step,
+                "unsharded_step_us": None if plain is None else plain * 1e6}
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        return {"world_size": world, "backend": dist.get_backend(), "batch_per_rank": batch, "rows": rows,
+                "dim": dim, "hotness": hotness, "steps": steps, "plan": str(model.plan), "ranks": every,
+                "examples_per_s_total": sum(r["examples_per_s"] for r in every),
+                "torch": torch.__version__, "commit": commit(),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _time_steps(model, batches, steps, warmup, dev, timer=None):
+    """Each step's wall time (forward, backward, fused update; synchronised, all ranks started
+    together) and the time its collectives took."""
+    times, comm = [], []
+    for i in range(warmup + steps):
+        if timer is not None:
+            timer.reset()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        model(batches[i % len(batches)]).values().sum().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        if i >= warmup:
+            times.append(took)
+            comm.append(sum(timer.seconds().values()) if timer is not None else 0.0)
+    return times, comm
+
+
+def write(result: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"distributed-{result['world_size']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path

@@ -1,0 +1,489 @@
+"""A sharded EmbeddingBagCollection: each rank holds its shards of the tables (planner.py) in a
+local embfuse collection, and a batch crosses ranks twice.
+
+Forward, on every rank, for its own batch of B samples:
+1. Route (device ops, no host read): each id goes to the rank of its shard (row-wise: its row
+   block, made local; column-wise: every piece), sorted by (destination, feature) stably, so each
+   feature's bags keep their order. The batch is checked here too, into a status.
+2. One all-to-all of a small header per rank pair (the status, B, the ids per feature), then the
+   one host read of the forward: sizes for the next collectives, and every rank's status. If any
+   rank's batch is bad, every rank raises that rank's error (the same text everywhere); nothing
+   has been looked up or updated anywhere.
+3. Lengths, ids and weights go out in three asynchronous all-to-alls; each rank then looks up
+   what it received with its local collection (one launch, fused optimizer included): the
+   sources' samples one after another, so the bag order is the concatenated batch's.
+4. The pooled rows go back by one all-to-all (PooledAllToAll, whose backward is the reverse);
+   the sample's rank concatenates column pieces and adds row-wise partial sums (in a fixed
+   order: deterministic), then divides row-wise mean / sqrtn features by the whole bag's norm.
+
+The backward carries gradients to the shards' owners; their local fused optimizers update in
+place. Every rank must call backward (as with DistributedDataParallel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from embfuse.distributed.comm import CommTimer, PooledAllToAll, _timed, all_to_all
+from embfuse.distributed.planner import ShardingPlan, plan_shards
+from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
+from embfuse.ops import errors
+from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference
+from embfuse.ops.validate import check_index_dtype, validate_collection
+from embfuse.sparse.jagged import KeyedJaggedTensor, KeyedTensor
+
+# a header row per rank pair: the sender's status, its batch size, then its ids per feature
+_STATUS, _BATCH, _COUNTS = 0, 1, 2
+_BAD_IDS, _BAD_LENGTHS, _BAD_ARGUMENT = 1, 2, 4
+_ERRORS = {c.__name__: c for c in (errors.BadIdError, errors.BadBatchError, errors.BadDtypeError,
+                                   errors.BadArgumentError, ValueError, TypeError, KeyError, IndexError)}
+
+
+def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[dict[str, int]] = None,
+          memory_per_rank: Optional[int] = None) -> "ShardedEmbeddingBagCollection":
+    """Shard `ebc` over the ranks of `group` (the default process group when None).
+
+    `plan`: a ShardingPlan, or table name -> "table_wise" | "row_wise" | "column_wise" |
+    ("table_wise", rank), tables left out chosen by planner.plan_shards's cost model (`lookups`,
+    `memory_per_rank` feed it). Every rank must pass the same tables, options and plan; the
+    tables start as rank 0's `ebc` (its weights and optimizer state)."""
+    world = dist.get_world_size(group)
+    if not isinstance(plan, ShardingPlan):
+        plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
+    if plan.world_size != world:
+        raise ValueError(f"the plan is for {plan.world_size} ranks; the group has {world}")
+    return ShardedEmbeddingBagCollection(ebc, plan, group)
+
+
+def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan) -> dict:
+    return {
+        "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(_dtype(t.data_type)), _pooling(t.pooling),
+                    list(t.feature_names)) for t in ebc.tables],
+        "is_weighted": ebc.is_weighted(),
+        "optimizer": repr(ebc.optimizer),
+        "plan": plan.describe(),
+    }
+
+
+def _first_difference(a, b):
+    """The first place two descriptions differ: (path, a's value, b's value)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a:
+            if a[k] != b.get(k):
+                path, x, y = _first_difference(a[k], b.get(k))
+                return (k + path, x, y)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                path, x, y = _first_difference(x, y)
+                return (f"[{i}]{path}", x, y)
+    return "", a, b
+
+
+class ShardedEmbeddingBagCollection(torch.nn.Module):
+    """An EmbeddingBagCollection whose tables are spread over ranks (see the module docstring):
+    `forward(kjt)` takes this rank's batch and returns this rank's pooled KeyedTensor, as the
+    unsharded collection would for these samples. `local` is this rank's collection of shards
+    (None when the plan gives it none); `plan` says who holds what."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, plan: ShardingPlan, group=None):
+        super().__init__()
+        if ebc._hot is not None:
+            raise ValueError("hot_rows is not carried to shards: shard a collection built without it")
+        self.group, self.plan = group, plan
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = ebc.weights.device
+        if dist.get_backend(group) == "gloo" and self.device.type != "cpu":
+            raise ValueError("gloo exchanges CPU tensors: shard a CPU collection on gloo, a CUDA one on nccl")
+        mine = _describe(ebc, plan)
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=group)
+        for r, theirs in enumerate(every):
+            if theirs != every[0]:
+                path, a, b = _first_difference(every[0], theirs)
+                raise ValueError(f"ranks were given different collections or plans: {path} is {a!r} on rank 0 and "
+                                 f"{b!r} on rank {r}")
+        rowwise_state = ebc.optimizer is not None and any(p == "row" for p, _ in ebc.optimizer.state_spec().values())
+        for t in ebc.tables:
+            if rowwise_state and plan.types[t.name] == "column_wise":
+                raise ValueError(f"table {t.name!r}: column_wise with {type(ebc.optimizer).__name__} would keep one "
+                                 f"row state a piece, each fed only its columns (the unsharded table feeds it the "
+                                 f"whole row): shard it table_wise or row_wise")
+        self.tables = list(ebc.tables)
+        self.feature_names = list(ebc.feature_names)
+        self._dims = list(ebc._dims)
+        self._is_weighted = ebc.is_weighted()
+        self._optimizer = ebc.optimizer
+        self._table_index = {t.name: i for i, t in enumerate(self.tables)}
+        self._build_local(ebc)
+        self._build_routes()
+        self.comm_timer: Optional[CommTimer] = None
+        self._assembly = {}
+        self.load_full_state_dict(self._broadcast_state(ebc))
+
+    # ---- what lives where ----
+    def _local_configs(self, rank: int) -> list[EmbeddingBagConfig]:
+        out = []
+        for s in self.plan.local(rank):
+            t = self.tables[self._table_index[s.table]]
+            pooling = "sum" if self.plan.types[s.table] == "row_wise" else _pooling(t.pooling)
+            out.append(EmbeddingBagConfig(num_embeddings=s.rows, embedding_dim=s.dim, name=s.table,
+                                          data_type=_dtype(t.data_type), feature_names=list(t.feature_names),
+                                          pooling=pooling))
+        return out
+
+    def _build_local(self, ebc) -> None:
+        configs = self._local_configs(self.rank)
+        self.local = EmbeddingBagCollection(configs, self._is_weighted, self.device, ebc.optimizer,
+                                            bounds_check="off") if configs else None
+
+    def _build_routes(self) -> None:
+        """Host tables of the routing: each rank's features (`entries`), their slots (one per
+        (rank, feature)), each rank's pooled width and where each feature sits in it."""
+        W, F = self.world, len(self.feature_names)
+        self.entries = [[f for c in self._local_configs(r) for f in c.feature_names] for r in range(W)]
+        self.widths = [sum(c.embedding_dim * len(c.feature_names) for c in self._local_configs(r)) for r in range(W)]
+        self.slot_base = [0]
+        for e in self.entries:
+            self.slot_base.append(self.slot_base[-1] + len(e))
+        nslots = self.slot_base[-1]
+        column = {}  # (rank, feature) -> first column of its piece in that rank's pooled rows
+        for r in range(W):
+            col = 0
+            for c in self._local_configs(r):
+                for f in c.feature_names:
+                    column[(r, f)] = col
+                    col += c.embedding_dim
+        self._column = column
+        table_of = {f: self.tables[self._table_index[s]] for s in self.plan.shards for f in
+                    self.tables[self._table_index[s]].feature_names}
+        shards = [self.plan.shards[table_of[f].name] for f in self.feature_names]
+        kinds = [self.plan.types[table_of[f].name] for f in self.feature_names]
+        copies = [len(s) if k == "column_wise" else 1 for s, k in zip(shards, kinds)]
+        width = max(len(s) for s in shards) + max(copies)
+        slot_of = torch.full((F, width), nslots, dtype=torch.int64)
+        for i, (f, ss) in enumerate(zip(self.feature_names, shards)):
+            for j, s in enumerate(ss):
+                slot_of[i, j] = self.slot_base[s.rank] + self.entries[s.rank].index(f)
+        rows = [table_of[f].num_embeddings for f in self.feature_names]
+        block = [ss[0].rows if k == "row_wise" else r for ss, k, r in zip(shards, kinds, rows)]
+        dev = self.device
+        self._slot_of = slot_of.to(dev)
+        self._limits = torch.tensor(rows, dtype=torch.int64, device=dev)
+        self._block = torch.tensor(block, dtype=torch.int64, device=dev)
+        self._copies = torch.tensor(copies, dtype=torch.int64, device=dev)
+        self._max_copies = max(copies)
+        self._shards, self._kinds = shards, kinds
+        # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
+        self._divide = torch.tensor([POOLINGS[_pooling(table_of[f].pooling)] if k == "row_wise" else SUM
+                                     for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
+        self._needs_norm = bool((self._divide != SUM).any())
+        self._table_names = [table_of[f].name for f in self.feature_names]
+        H = _COUNTS + max(len(e) for e in self.entries)
+        self._header_width = H
+        pos = [r * H + _COUNTS + e for r in range(W) for e in range(len(self.entries[r]))]
+        self._header_pos = torch.tensor(pos, dtype=torch.int64, device=dev)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    # ---- forward ----
+    def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        missing = [f for f in self.feature_names if f not in kjt.keys()]
+        if missing:
+            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
+        if kjt.keys() != self.feature_names:
+            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        return kjt
+
+    def _route(self, kjt: KeyedJaggedTensor):
+        """Device ops only: the status of this batch, and its copies sorted by slot (ids local to
+        their shard), with the lengths a slot and sample. Bad ids and lengths are clamped so that
+        routing a bad batch stays in bounds (it is then never sent)."""
+        kjt = self._features(kjt)
+        values, lengths, psw = kjt.values(), kjt.lengths(), kjt.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and psw is None:
+            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        check_index_dtype("values", values)
+        check_index_dtype("lengths", lengths)
+        for name, t in (("values", values), ("lengths", lengths)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; this rank's shards are on {self.device}")
+        B, F, n = kjt.stride(), len(self.feature_names), values.numel()
+        Bs, dev = max(B, 1), self.device
+        lengths = lengths.long()
+        offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        bag = bag_of_value(offsets, n).clamp(0, max(F * B - 1, 0))
+        feat, sample = bag // Bs, bag % Bs
+        ids = values.long()
+        limit = self._limits[feat]
+        status = (((ids < 0) | (ids >= limit)).any().long() * _BAD_IDS
+                  + ((lengths < 0).any() | (offsets[-1] != n)).long() * _BAD_LENGTHS)
+        ids = torch.minimum(ids.clamp(min=0), limit - 1)
+        block = self._block[feat]
+        shard = ids // block
+        local = ids - shard * block
+        C = self._max_copies
+        copy = torch.arange(C, device=dev).repeat_interleave(n)
+        feat_c, shard_c = feat.repeat(C), shard.repeat(C)
+        nslots = self.slot_base[-1]
+        slot = torch.where(copy < self._copies[feat_c], self._slot_of[feat_c, shard_c + copy], nslots)
+        order = torch.sort(slot, stable=True).indices
+        ids_sorted = local.repeat(C)[order]
+        w_sorted = psw.repeat(C)[order] if psw is not None else None
+        count = torch.zeros((nslots + 1) * Bs, dtype=torch.int64, device=dev)
+        count.index_add_(0, slot * Bs + sample.repeat(C), torch.ones_like(slot))
+        lens = count.view(nslots + 1, Bs)[:nslots, :B]
+        header = torch.zeros(self.world * self._header_width, dtype=torch.int64, device=dev)
+        header[_STATUS::self._header_width] = status
+        header[_BATCH::self._header_width] = B
+        header[self._header_pos] = lens.sum(1)
+        return header, (kjt, offsets, ids_sorted, w_sorted, lens, B)
+
+    def _raise_everywhere(self, statuses: list[int], routed, error: Optional[BaseException]) -> None:
+        """Every rank raises the error of the first rank whose batch is bad, with its text."""
+        mine = None
+        if error is not None:
+            mine = (type(error).__name__, str(error.args[0]) if error.args else str(error))
+        elif statuses[self.rank]:
+            kjt, offsets = routed[0], routed[1]
+            try:
+                validate_collection(kjt.values(), offsets, None, self._limits, kjt.stride(), self.feature_names,
+                                    self._table_names, "sync")
+                mine = ("BadBatchError", "the batch was refused by its rank's check")
+            except (errors.BadIdError, errors.BadBatchError) as e:
+                mine = (type(e).__name__, str(e))
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        first = next(r for r, m in enumerate(every) if m is not None)
+        cls, text = every[first]
+        raise _ERRORS.get(cls, RuntimeError)(f"rank {first}'s batch: {text}")
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        W, H = self.world, self._header_width
+        error, routed = None, None
+        try:
+            header, routed = self._route(features)
+        except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
+            error = e
+            header = torch.zeros(W * H, dtype=torch.int64, device=self.device)
+            header[_STATUS::H] = _BAD_ARGUMENT
+        timer = self.comm_timer
+        with _timed(timer, "input", self.device):
+            got, _ = all_to_all(header, [H] * W, [H] * W, self.group)
+            sent_host, got_host = torch.stack([header, got]).view(2, W, H).tolist()
+        statuses = [got_host[r][_STATUS] for r in range(W)]
+        if any(statuses):
+            self._raise_everywhere(statuses, routed, error)
+        kjt, _, ids, w, lens, B = routed
+        mine = self.entries[self.rank]
+        E = len(mine)
+        batches = [got_host[r][_BATCH] for r in range(W)]
+        send_ids = [sum(sent_host[d][_COUNTS:_COUNTS + len(self.entries[d])]) for d in range(W)]
+        recv_counts = [got_host[s][_COUNTS:_COUNTS + E] for s in range(W)]
+        with _timed(timer, "input", self.device):
+            ids = ids[:sum(send_ids)]
+            send_lens = [len(self.entries[d]) * B for d in range(W)]
+            recv_lens = [E * b for b in batches]
+            rl, w1 = all_to_all(lens.reshape(-1), send_lens, recv_lens, self.group, async_op=True)
+            rv, w2 = all_to_all(ids, send_ids, [sum(c) for c in recv_counts], self.group, async_op=True)
+            works = [w1, w2]
+            rw = None
+            if w is not None:
+                rw, w3 = all_to_all(w[:ids.numel()], send_ids, [sum(c) for c in recv_counts], self.group,
+                                    async_op=True)
+                works.append(w3)
+            for work in works:
+                work.wait()
+        pooled = self._lookup(rl, rv, rw, batches, recv_counts)
+        if torch.is_grad_enabled() and not pooled.requires_grad:
+            pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
+        recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
+                                    [B * self.widths[o] for o in range(W)], self.group, timer)
+        return KeyedTensor(self.feature_names, self._dims, self._assemble(recv, kjt, B))
+
+    def _lookup(self, rl: Tensor, rv: Tensor, rw: Optional[Tensor], batches: list[int], counts: list[list[int]]):
+        """The local collection's pooled rows for every source's samples, sources in rank order."""
+        total = sum(batches)
+        if self.local is None:
+            return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
+        E, W = len(self.entries[self.rank]), self.world
+        lens, vals, wts = [], [], []
+        len_start = [0]
+        val_start = [0]
+        for s in range(W):
+            len_start.append(len_start[-1] + E * batches[s])
+            val_start.append(val_start[-1] + sum(counts[s]))
+        for e in range(E):
+            for s in range(W):
+                a = len_start[s] + e * batches[s]
+                lens.append(rl[a:a + batches[s]])
+                v = val_start[s] + sum(counts[s][:e])
+                vals.append(rv[v:v + counts[s][e]])
+                if rw is not None:
+                    wts.append(rw[v:v + counts[s][e]])
+        per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
+        kjt = KeyedJaggedTensor(self.entries[self.rank], torch.cat(vals), torch.cat(wts) if rw is not None else None,
+                                lengths=torch.cat(lens), stride=total, length_per_key=per_key)
+        return self.local(kjt).values()
+
+    def _dtype(self):
+        return _dtype(self.tables[0].data_type)
+
+    def _gather_index(self, B: int) -> Tensor:
+        """(P, B, sum of widths) positions in the received buffer (plus one zero at its end) that
+        make each output element: P = 1 without row-wise tables, else the most row shards."""
+        if B in self._assembly:
+            return self._assembly[B]
+        W, dev = self.world, self.device
+        base = [0]
+        for o in range(W):
+            base.append(base[-1] + B * self.widths[o])
+        zero = base[-1]
+        parts = max([len(s) for s, k in zip(self._shards, self._kinds) if k == "row_wise"], default=1)
+        index = torch.full((parts, B, sum(self._dims)), zero, dtype=torch.int64)
+        b = torch.arange(B)[:, None]
+        col = 0
+        for f, shards, kind, dim in zip(self.feature_names, self._shards, self._kinds, self._dims):
+            for j, s in enumerate(shards):
+                o = s.rank
+                layer, lo = (j, 0) if kind == "row_wise" else (0, s.col_start)
+                c = torch.arange(s.dim)[None, :]
+                index[layer, :, col + lo:col + lo + s.dim] = base[o] + b * self.widths[o] + self._column[(o, f)] + c
+            col += dim
+        self._assembly[B] = index.to(dev)
+        return self._assembly[B]
+
+    def _assemble(self, recv: Tensor, kjt: KeyedJaggedTensor, B: int) -> Tensor:
+        index = self._gather_index(B)
+        padded = torch.cat([recv, recv.new_zeros(1)])
+        if index.shape[0] == 1 and not self._needs_norm:
+            return padded[index[0]]
+        out = padded[index].sum(0, dtype=torch.float32)
+        if self._needs_norm:
+            out = out / self._norms(kjt, B)
+        return out.to(recv.dtype)
+
+    def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
+        """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
+        divided by (the whole bag's count, or its weights' root sum of squares); 1 elsewhere."""
+        F, dev = len(self.feature_names), self.device
+        lengths = kjt.lengths().long()
+        psw = kjt.weights_or_none() if self._is_weighted else None
+        if psw is None:
+            sumsq = lengths.to(torch.float32)
+        else:
+            offsets = kjt.offsets().long()
+            bag = bag_of_value(offsets, psw.numel())
+            sumsq = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag, psw.float() ** 2)
+        pool = self._divide.repeat_interleave(B)
+        norm = pool_norm_reference(pool, lengths, sumsq).view(F, B).T
+        dims = torch.tensor(self._dims, device=dev)
+        return norm.repeat_interleave(dims, dim=1, output_size=sum(self._dims))
+
+    # ---- checkpoints ----
+    def _broadcast_state(self, ebc: EmbeddingBagCollection) -> dict[str, Tensor]:
+        """Rank 0's state_dict of the unsharded collection, on every rank."""
+        state = {k: v.detach().clone().contiguous() for k, v in ebc.state_dict().items()}
+        for k in state:
+            dist.broadcast(state[k], src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return state
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _local_pieces(self, table: str) -> dict[str, Tensor]:
+        """This rank's piece of `table`: its weight and each optimizer state, shaped as the shard."""
+        i = [c.name for c in self.local.tables].index(table)
+        rows, dim = self.local._shapes[i]
+        out = {"weight": self.local.table_weights()[i]}
+        for name, (per, _) in self._state_spec().items():
+            flat = getattr(self.local, f"optimizer_{name}")
+            if per == "row":
+                out[name] = flat[self.local._row_starts[i]:self.local._row_starts[i + 1]]
+            else:
+                out[name] = flat[self.local._starts[i]:self.local._starts[i + 1]].view(rows, dim)
+        return out
+
+    def _state_spec(self) -> dict:
+        return self._optimizer.state_spec() if self._optimizer is not None else {}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every table whole under the unsharded collection's keys (and its flat optimizer state
+        and step), on every rank: each shard is broadcast from its owner. Loads bitwise into an
+        unsharded collection, or into `load_full_state_dict` of any plan and world size."""
+        spec = self._state_spec()
+        out, states = {}, {name: [] for name in spec}
+        for t in self.tables:
+            dtype = _dtype(t.data_type)
+            full = torch.empty(t.num_embeddings, t.embedding_dim, dtype=dtype, device=self.device)
+            full_state = {name: torch.empty((t.num_embeddings,) if per == "row" else
+                                            (t.num_embeddings, t.embedding_dim), dtype=torch.float32,
+                                            device=self.device) for name, (per, _) in spec.items()}
+            for s in self.plan.shards[t.name]:
+                pieces = self._local_pieces(t.name) if s.rank == self.rank else None
+                for name, target in [("weight", full)] + list(full_state.items()):
+                    per_row = name != "weight" and spec[name][0] == "row"
+                    shape = (s.rows,) if per_row else (s.rows, s.dim)
+                    buf = pieces[name].contiguous() if pieces is not None else torch.empty(
+                        shape, dtype=target.dtype, device=self.device)
+                    dist.broadcast(buf, src=self._global(s.rank), group=self.group)
+                    if per_row:
+                        target[s.row_start:s.row_end] = buf
+                    else:
+                        target[s.row_start:s.row_end, s.col_start:s.col_end] = buf
+            out[f"embedding_bags.{t.name}.weight"] = full
+            for name in spec:
+                states[name].append(full_state[name].reshape(-1))
+        for name in spec:
+            out[f"optimizer_{name}"] = torch.cat(states[name])
+        if self._optimizer is not None:
+            step = torch.tensor([self.local._fused.step if self.local is not None else 0], device=self.device)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+            out["optimizer_step"] = step[0].cpu()
+        return out
+
+    def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Take this rank's shards from an unsharded collection's state_dict (full_state_dict's
+        form, from any plan or world size). No collective: every rank reads its own pieces."""
+        if self.local is None:
+            return
+        spec = self._state_spec()
+        sizes = {name: [] for name in spec}
+        local = {}
+        for t in self.tables:
+            key = f"embedding_bags.{t.name}.weight"
+            if key not in state:
+                raise KeyError(f"the state has no {key!r}")
+            if tuple(state[key].shape) != (t.num_embeddings, t.embedding_dim):
+                raise ValueError(f"{key}: shape {tuple(state[key].shape)} in the state, "
+                                 f"({t.num_embeddings}, {t.embedding_dim}) in the collection")
+            for name, (per, _) in spec.items():
+                sizes[name].append(t.num_embeddings * (1 if per == "row" else t.embedding_dim))
+        flat = {}
+        for name in spec:
+            key = f"optimizer_{name}"
+            if key not in state:
+                raise KeyError(f"the state has no {key!r} (the collection's optimizer keeps it)")
+            flat[name] = dict(zip([t.name for t in self.tables], torch.split(state[key].reshape(-1), sizes[name])))
+        state_parts = {name: [] for name in spec}
+        for s in self.plan.local(self.rank):
+            t = self.tables[self._table_index[s.table]]
+            full = state[f"embedding_bags.{t.name}.weight"]
+            local[f"embedding_bags.{s.table}.weight"] = full[s.row_start:s.row_end, s.col_start:s.col_end]
+            for name, (per, _) in spec.items():
+                if per == "row":
+                    state_parts[name].append(flat[name][t.name][s.row_start:s.row_end])
+                else:
+                    piece = flat[name][t.name].view(t.num_embeddings, t.embedding_dim)
+                    state_parts[name].append(piece[s.row_start:s.row_end, s.col_start:s.col_end].reshape(-1))
+        for name in spec:
+            local[f"optimizer_{name}"] = torch.cat(state_parts[name])
+        if self._optimizer is not None:
+            local["optimizer_step"] = state.get("optimizer_step", torch.tensor(0))
+        self.local.load_state_dict({k: v.to(self.device) for k, v in local.items()})

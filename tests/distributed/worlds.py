@@ -1,0 +1,30 @@
+"""Run a function on every rank of a fresh process group (gloo on CPUs, free port, spawn)."""
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, timeout):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args, timeout: float = 120):
+    """fn(rank, world, *args) on `world` processes; a failure on any rank fails the call with
+    that rank's traceback."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args, timeout), nprocs=world, join=True)
