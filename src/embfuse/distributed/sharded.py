@@ -33,7 +33,7 @@ from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
 from embfuse.ops import errors
 from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference
-from embfuse.ops.validate import check_index_dtype, validate_collection
+from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor, KeyedTensor
 
 # a header row per rank pair: the sender's status, its batch size, then its ids per feature
@@ -122,7 +122,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._build_local(ebc)
         self._build_routes()
         self.comm_timer: Optional[CommTimer] = None
-        self._assembly = {}
+        self._assembly = None
         self.load_full_state_dict(self._broadcast_state(ebc))
 
     # ---- what lives where ----
@@ -178,6 +178,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._copies = torch.tensor(copies, dtype=torch.int64, device=dev)
         self._max_copies = max(copies)
         self._shards, self._kinds = shards, kinds
+        # every feature to one slot, slots in feature order (a world of one, say): the batch is
+        # already in send order and the sort is skipped
+        firsts = slot_of[:, 0].tolist()
+        self._in_order = max(copies) == 1 and all(len(s) == 1 for s in shards) and firsts == sorted(firsts)
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
         self._divide = torch.tensor([POOLINGS[_pooling(table_of[f].pooling)] if k == "row_wise" else SUM
                                      for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
@@ -214,31 +218,39 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}; this rank's shards are on {self.device}")
         B, F, n = kjt.stride(), len(self.feature_names), values.numel()
+        if F * B == 0 and n:
+            raise errors.BadBatchError(f"the batch has no bags but {n} values")
         Bs, dev = max(B, 1), self.device
         lengths = lengths.long()
         offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        bag = bag_of_value(offsets, n).clamp(0, max(F * B - 1, 0))
-        feat, sample = bag // Bs, bag % Bs
-        ids = values.long()
-        limit = self._limits[feat]
-        status = (((ids < 0) | (ids >= limit)).any().long() * _BAD_IDS
-                  + ((lengths < 0).any() | (offsets[-1] != n)).long() * _BAD_LENGTHS)
-        ids = torch.minimum(ids.clamp(min=0), limit - 1)
-        block = self._block[feat]
-        shard = ids // block
-        local = ids - shard * block
-        C = self._max_copies
-        copy = torch.arange(C, device=dev).repeat_interleave(n)
-        feat_c, shard_c = feat.repeat(C), shard.repeat(C)
-        nslots = self.slot_base[-1]
-        slot = torch.where(copy < self._copies[feat_c], self._slot_of[feat_c, shard_c + copy], nslots)
-        order = torch.sort(slot, stable=True).indices
-        ids_sorted = local.repeat(C)[order]
-        w_sorted = psw.repeat(C)[order] if psw is not None else None
-        count = torch.zeros((nslots + 1) * Bs, dtype=torch.int64, device=dev)
-        count.index_add_(0, slot * Bs + sample.repeat(C), torch.ones_like(slot))
-        lens = count.view(nslots + 1, Bs)[:nslots, :B]
+        status = collection_status(values, offsets, self._limits, B)
+        # ids as int64 and weights as fp32 whatever each rank was given: the collectives need
+        # every rank to send one dtype
+        psw = psw.float() if psw is not None else None
+        if self._in_order:  # every feature to one slot, in order: the batch is its own send buffer
+            ids_sorted, w_sorted, lens = values.long(), psw, lengths.view(F, B)
+        else:
+            # each value's feature and sample (bad lengths give garbage here, clamped in range:
+            # the batch is then never sent); ids clamped into their tables for the same reason
+            bag = bag_of_value(offsets, n).clamp(0, max(F * B - 1, 0))
+            feat, sample = bag // Bs, bag % Bs
+            limit = self._limits[feat]
+            ids = torch.minimum(values.long().clamp(min=0), limit - 1)
+            block = self._block[feat]
+            shard = ids // block
+            local = ids - shard * block
+            C = self._max_copies
+            copy = torch.arange(C, device=dev).repeat_interleave(n)
+            feat_c, shard_c = feat.repeat(C), shard.repeat(C)
+            nslots = self.slot_base[-1]
+            slot = torch.where(copy < self._copies[feat_c], self._slot_of[feat_c, shard_c + copy], nslots)
+            order = torch.sort(slot.int(), stable=True).indices
+            ids_sorted = local.repeat(C)[order]
+            w_sorted = psw.repeat(C)[order] if psw is not None else None
+            count = torch.zeros((nslots + 1) * Bs, dtype=torch.int64, device=dev)
+            count.index_add_(0, slot * Bs + sample.repeat(C), torch.ones_like(slot))
+            lens = count.view(nslots + 1, Bs)[:nslots, :B]
         header = torch.zeros(self.world * self._header_width, dtype=torch.int64, device=dev)
         header[_STATUS::self._header_width] = status
         header[_BATCH::self._header_width] = B
@@ -313,6 +325,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if self.local is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
         E, W = len(self.entries[self.rank]), self.world
+        per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
+        if W == 1:  # one source: what arrived is already feature-major
+            return self.local(KeyedJaggedTensor(self.entries[self.rank], rv, rw, lengths=rl, stride=total,
+                                                length_per_key=per_key)).values()
         lens, vals, wts = [], [], []
         len_start = [0]
         val_start = [0]
@@ -327,7 +343,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 vals.append(rv[v:v + counts[s][e]])
                 if rw is not None:
                     wts.append(rw[v:v + counts[s][e]])
-        per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         kjt = KeyedJaggedTensor(self.entries[self.rank], torch.cat(vals), torch.cat(wts) if rw is not None else None,
                                 lengths=torch.cat(lens), stride=total, length_per_key=per_key)
         return self.local(kjt).values()
@@ -335,36 +350,43 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _dtype(self):
         return _dtype(self.tables[0].data_type)
 
-    def _gather_index(self, B: int) -> Tensor:
-        """(P, B, sum of widths) positions in the received buffer (plus one zero at its end) that
-        make each output element: P = 1 without row-wise tables, else the most row shards."""
-        if B in self._assembly:
-            return self._assembly[B]
-        W, dev = self.world, self.device
-        base = [0]
-        for o in range(W):
-            base.append(base[-1] + B * self.widths[o])
-        zero = base[-1]
-        parts = max([len(s) for s, k in zip(self._shards, self._kinds) if k == "row_wise"], default=1)
-        index = torch.full((parts, B, sum(self._dims)), zero, dtype=torch.int64)
-        b = torch.arange(B)[:, None]
-        col = 0
-        for f, shards, kind, dim in zip(self.feature_names, self._shards, self._kinds, self._dims):
-            for j, s in enumerate(shards):
-                o = s.rank
-                layer, lo = (j, 0) if kind == "row_wise" else (0, s.col_start)
-                c = torch.arange(s.dim)[None, :]
-                index[layer, :, col + lo:col + lo + s.dim] = base[o] + b * self.widths[o] + self._column[(o, f)] + c
-            col += dim
-        self._assembly[B] = index.to(dev)
-        return self._assembly[B]
+    def _columns(self) -> Tensor:
+        """(P, sum of widths): for each output column, the column of the owners' pooled rows side
+        by side (owner 0's, owner 1's, ...) it comes from, or the zero column after them; P = 1
+        without row-wise tables, else the most row shards (one layer a partial sum)."""
+        if self._assembly is None:
+            start = [0]
+            for w in self.widths:
+                start.append(start[-1] + w)
+            parts = max([len(s) for s, k in zip(self._shards, self._kinds) if k == "row_wise"], default=1)
+            index = torch.full((parts, sum(self._dims)), start[-1], dtype=torch.int64)
+            col = 0
+            for f, shards, kind, dim in zip(self.feature_names, self._shards, self._kinds, self._dims):
+                for j, s in enumerate(shards):
+                    layer, lo = (j, 0) if kind == "row_wise" else (0, s.col_start)
+                    first = start[s.rank] + self._column[(s.rank, f)]
+                    index[layer, col + lo:col + lo + s.dim] = torch.arange(first, first + s.dim)
+                col += dim
+            identity = parts == 1 and torch.equal(index[0], torch.arange(index.shape[1]))
+            self._assembly = index.to(self.device), identity
+        return self._assembly
 
     def _assemble(self, recv: Tensor, kjt: KeyedJaggedTensor, B: int) -> Tensor:
-        index = self._gather_index(B)
-        padded = torch.cat([recv, recv.new_zeros(1)])
+        """This rank's (B, sum of widths) output from what the owners sent: column selections of
+        their pooled rows side by side (no scatter: each output column has one source a layer;
+        row-wise layers are added in shard order), divided by row-wise bags' norms."""
+        index, identity = self._columns()
+        # split, not slices: a slice's backward zero-fills the whole buffer
+        blocks = [b.view(B, w) for b, w in zip(torch.split(recv, [B * w for w in self.widths]), self.widths)]
+        side = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if identity and not self._needs_norm:
+            return side
+        side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
         if index.shape[0] == 1 and not self._needs_norm:
-            return padded[index[0]]
-        out = padded[index].sum(0, dtype=torch.float32)
+            return side.index_select(1, index[0])
+        out = side.index_select(1, index[0]).float()
+        for layer in index[1:]:
+            out = out + side.index_select(1, layer).float()
         if self._needs_norm:
             out = out / self._norms(kjt, B)
         return out.to(recv.dtype)
@@ -389,7 +411,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     # ---- checkpoints ----
     def _broadcast_state(self, ebc: EmbeddingBagCollection) -> dict[str, Tensor]:
         """Rank 0's state_dict of the unsharded collection, on every rank."""
-        state = {k: v.detach().clone().contiguous() for k, v in ebc.state_dict().items()}
+        # (to this rank's device: NCCL moves CUDA tensors only, and the step count lives on the host)
+        state = {k: v.detach().to(self.device, copy=True).contiguous() for k, v in ebc.state_dict().items()}
         for k in state:
             dist.broadcast(state[k], src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         return state

@@ -34,8 +34,8 @@ import torch
 
 from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value
-from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, launch_bags_check, launch_ids_check, run_check,
-                                  traced_mode)
+from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
+                                  run_check, traced_mode)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
@@ -336,6 +336,18 @@ def _check_bags_op(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Te
 @_check_bags_op.register_fake
 def _(values, offsets, limits, B, keys, tables, bounds_check):
     return values.new_empty(2, dtype=torch.int32)
+
+
+def collection_status(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Tensor, B: int) -> torch.Tensor:
+    """The flags of a keyed batch (0 when good) as a 0-d int64 tensor, for a caller that reads
+    them itself: on the GPU the check kernel's status, not read here and not reported later; on
+    the CPU computed at once."""
+    if not use_kernels(values):
+        return torch.tensor(_collection_flags_reference(values, offsets, limits, max(B, 1)))
+    log = device_log(values.device)
+    check = log.start(None, "a sharded collection's batch", fresh=True, track=False)
+    launch_bags_check(log, check, values, offsets, limits, max(B, 1))
+    return check.status[0].long()
 
 
 def guard(t: torch.Tensor, status: torch.Tensor, fill: int) -> torch.Tensor:
