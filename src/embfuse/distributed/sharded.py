@@ -376,9 +376,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         their pooled rows side by side (no scatter: each output column has one source a layer;
         row-wise layers are added in shard order), divided by row-wise bags' norms."""
         index, identity = self._columns()
-        # split, not slices: a slice's backward zero-fills the whole buffer
-        blocks = [b.view(B, w) for b, w in zip(torch.split(recv, [B * w for w in self.widths]), self.widths)]
-        side = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self.world == 1:
+            side = recv.view(B, self.widths[0])
+        else:  # split, not slices: a slice's backward zero-fills the whole buffer
+            blocks = torch.split(recv, [B * w for w in self.widths])
+            side = torch.cat([b.view(B, w) for b, w in zip(blocks, self.widths)], dim=1)
         if identity and not self._needs_norm:
             return side
         side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
