@@ -65,10 +65,12 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
         if world == 1:  # the sharding layer's own cost: the same step unsharded, in the same run
             plain = statistics.median(_time_steps(ebc, batches, steps, warmup, dev)[0])
         del ebc
+        model.comm_timer = None
+        loops = _loops(model, batches, steps, warmup, dev)
         step = statistics.median(times)
         mine = {"rank": rank, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "step_us": step * 1e6, "examples_per_s": batch / step, "comm_share": statistics.median(comm) / step,
-                "unsharded_step_us": None if plain is None else plain * 1e6}
+                "unsharded_step_us": None if plain is None else plain * 1e6, **loops}
         every = [None] * world
         dist.all_gather_object(every, mine)
         return {"world_size": world, "backend": dist.get_backend(), "batch_per_rank": batch, "rows": rows,
@@ -100,6 +102,51 @@ def _time_steps(model, batches, steps, warmup, dev, timer=None):
             times.append(took)
             comm.append(sum(timer.seconds().values()) if timer is not None else 0.0)
     return times, comm
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, sharded):
+        super().__init__()
+        self.sharded = sharded
+
+    def forward(self, kjt):
+        return self.sharded(kjt).values().sum()
+
+
+def _loops(model, batches, steps, warmup, dev) -> dict:
+    """Throughput of three training loops over `steps` steps (one sync at the end, all ranks
+    started together), us a step: the plain loop on batches already on the device; the plain
+    loop on batches from pinned host memory (a copy each step); TrainPipeline on the same host
+    batches (the next batches' copy and exchange beside this one's compute)."""
+    host = [b.to("cpu").pin_memory() if dev.type == "cuda" else b.to("cpu") for b in batches]
+    loss = _Loss(model)
+    pipe = ed.TrainPipeline(loss, None, dev)
+
+    def plain(source, move):
+        for i in range(steps):
+            loss(move(source[i % len(source)])).backward()
+
+    def piped():
+        it = (host[i % len(host)] for i in range(steps))
+        for _ in range(steps):
+            pipe.progress(it)
+
+    out = {}
+    runs = {"plain_device_us": lambda: plain(batches, lambda b: b),
+            "plain_host_us": lambda: plain(host, lambda b: b.to(dev, non_blocking=True)),
+            "pipelined_host_us": piped}
+    for name, run in runs.items():
+        for timed in (False, True):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if timed:
+                out[name] = (time.perf_counter() - start) / steps * 1e6
+    return out
 
 
 def write(result: dict, out: Path) -> Path:

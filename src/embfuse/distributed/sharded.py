@@ -84,6 +84,27 @@ def _first_difference(a, b):
     return "", a, b
 
 
+class InputDist:
+    """A batch's input exchange in flight: `wait()` makes the current stream (or, on gloo, the
+    host) wait for the lengths, ids and weights, and returns them."""
+
+    def __init__(self, owner, kjt, B, batches, counts, rl, rv, rw, works):
+        self.owner, self.kjt, self.B, self.batches, self.counts = owner, kjt, B, batches, counts
+        self._tensors, self._works = (rl, rv, rw), works
+
+    def wait(self):
+        with _timed(self.owner.comm_timer, "input", self.owner.device):
+            for work in self._works:
+                work.wait()
+        self._works = []
+        if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
+            stream = torch.cuda.current_stream(self.owner.device)
+            for t in self._tensors:
+                if t is not None:
+                    t.record_stream(stream)
+        return self._tensors
+
+
 class ShardedEmbeddingBagCollection(torch.nn.Module):
     """An EmbeddingBagCollection whose tables are spread over ranks (see the module docstring):
     `forward(kjt)` takes this rank's batch and returns this rank's pooled KeyedTensor, as the
@@ -276,7 +297,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         cls, text = every[first]
         raise _ERRORS.get(cls, RuntimeError)(f"rank {first}'s batch: {text}")
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def input_dist(self, features: KeyedJaggedTensor) -> "InputDist":
+        """The request half of the input exchange: route, exchange the headers (the one host
+        read; a bad batch anywhere raises here, on every rank), start the lengths, ids and
+        weights all-to-alls, and return without waiting for them."""
         W, H = self.world, self._header_width
         error, routed = None, None
         try:
@@ -293,30 +317,45 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if any(statuses):
             self._raise_everywhere(statuses, routed, error)
         kjt, _, ids, w, lens, B = routed
-        mine = self.entries[self.rank]
-        E = len(mine)
+        E = len(self.entries[self.rank])
         batches = [got_host[r][_BATCH] for r in range(W)]
         send_ids = [sum(sent_host[d][_COUNTS:_COUNTS + len(self.entries[d])]) for d in range(W)]
         recv_counts = [got_host[s][_COUNTS:_COUNTS + E] for s in range(W)]
+        recv_ids = [sum(c) for c in recv_counts]
         with _timed(timer, "input", self.device):
             ids = ids[:sum(send_ids)]
-            send_lens = [len(self.entries[d]) * B for d in range(W)]
-            recv_lens = [E * b for b in batches]
-            rl, w1 = all_to_all(lens.reshape(-1), send_lens, recv_lens, self.group, async_op=True)
-            rv, w2 = all_to_all(ids, send_ids, [sum(c) for c in recv_counts], self.group, async_op=True)
-            works = [w1, w2]
-            rw = None
-            if w is not None:
-                rw, w3 = all_to_all(w[:ids.numel()], send_ids, [sum(c) for c in recv_counts], self.group,
-                                    async_op=True)
-                works.append(w3)
-            for work in works:
-                work.wait()
-        pooled = self._lookup(rl, rv, rw, batches, recv_counts)
+            rl, w1 = all_to_all(lens.reshape(-1), [len(self.entries[d]) * B for d in range(W)],
+                                [E * b for b in batches], self.group, async_op=True)
+            rv, w2 = all_to_all(ids, send_ids, recv_ids, self.group, async_op=True)
+            rw, w3 = all_to_all(w[:ids.numel()], send_ids, recv_ids, self.group, async_op=True) if w is not None \
+                else (None, None)
+        return InputDist(self, kjt, B, batches, recv_counts, rl, rv, rw, [x for x in (w1, w2, w3) if x is not None])
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start `features`' input exchange now (TrainPipeline calls this for the next batch
+        while this one computes); the forward given this same object uses it. An error of that
+        batch is raised by that forward."""
+        try:
+            self._prefetched = (features, self.input_dist(features), None)
+        except (errors.BadIdError, errors.BadBatchError, ValueError, TypeError, KeyError, IndexError) as e:
+            self._prefetched = (features, None, e)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        ahead = getattr(self, "_prefetched", None)
+        if ahead is not None and ahead[0] is features:
+            self._prefetched = None
+            if ahead[2] is not None:
+                raise ahead[2]
+            incoming = ahead[1]
+        else:
+            incoming = self.input_dist(features)
+        rl, rv, rw = incoming.wait()
+        kjt, B, batches = incoming.kjt, incoming.B, incoming.batches
+        pooled = self._lookup(rl, rv, rw, batches, incoming.counts)
         if torch.is_grad_enabled() and not pooled.requires_grad:
             pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
         recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
-                                    [B * self.widths[o] for o in range(W)], self.group, timer)
+                                    [B * self.widths[o] for o in range(self.world)], self.group, self.comm_timer)
         return KeyedTensor(self.feature_names, self._dims, self._assemble(recv, kjt, B))
 
     def _lookup(self, rl: Tensor, rv: Tensor, rw: Optional[Tensor], batches: list[int], counts: list[list[int]]):

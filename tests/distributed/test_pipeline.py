@@ -1,0 +1,110 @@
+"""TrainPipeline against the plain loop, batch for batch: the same losses and the same tables,
+dense weights and optimizer state, bitwise (gloo, 2 ranks; NCCL with one GPU on the GPU)."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import embfuse.distributed as ed
+from embfuse import EmbeddingBagCollection, KeyedJaggedTensor
+from embfuse.optim import Adagrad
+from tests.distributed.test_sharded import KEYS, PLANS, batch, kjt_of, tables
+from tests.distributed.worlds import run_world
+
+
+class Model(torch.nn.Module):
+    def __init__(self, sparse, width):
+        super().__init__()
+        self.sparse, self.bottom, self.top = sparse, torch.nn.Linear(3, 4), torch.nn.Linear(4 + width, 1)
+
+    def forward(self, b):
+        x = torch.cat([self.bottom(b["dense"]), self.sparse(b["sparse_features"]).values()], 1)
+        logit = self.top(x).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logit, b["label"]), logit.detach()
+
+
+def batches(rank, n, weighted=False):
+    out = []
+    for step in range(n):
+        kjt = kjt_of(batch(rank, step, weighted), weighted)
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        B = kjt.stride()
+        out.append({"dense": torch.randn(B, 3, generator=g), "sparse_features": kjt,
+                    "label": torch.randint(0, 2, (B,), generator=g).float()})
+    return out
+
+
+def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced", bad_step=None):
+    torch.manual_seed(1)
+    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1), device=device)
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
+    plain = Model(ed.shard(copy.deepcopy(ebc), PLANS[plan]), width).to(device)
+    piped = copy.deepcopy(plain)
+    piped.sparse = ed.shard(ebc, PLANS[plan])  # (a deep copy would share nothing with the process group's state)
+    data = batches(rank, 5)
+    opt = torch.optim.Adam([p for n, p in plain.named_parameters() if not n.startswith("sparse")], lr=0.01)
+    losses = []
+    for b in data:
+        b = {k: v.to(device) for k, v in b.items()}
+        opt.zero_grad()
+        loss, _ = plain(b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    opt2 = torch.optim.Adam([p for n, p in piped.named_parameters() if not n.startswith("sparse")], lr=0.01)
+    pipe = ed.TrainPipeline(piped, opt2, device)
+    calls = []
+    exchange = piped.sparse.input_dist
+    piped.sparse.input_dist = lambda kjt: calls.append(kjt) or exchange(kjt)
+    seen = []  # exchanges started when each batch's lookup begins: its own, a step ahead
+    piped.sparse.register_forward_pre_hook(lambda m, args: seen.append(len(calls)))
+    it = iter(data)
+    got = []
+    while True:
+        try:
+            loss, _ = pipe.progress(it)
+        except StopIteration:
+            break
+        got.append(loss.detach())
+    assert len(got) == len(losses) and seen == list(range(1, len(data) + 1)) and len(calls) == len(data)
+    for a, b in zip(got, losses):
+        assert torch.equal(a, b), (a, b)
+    for (n, a), b in zip(piped.named_parameters(), plain.parameters()):
+        if not n.startswith("sparse"):
+            assert torch.equal(a, b), n
+    want, state = plain.sparse.full_state_dict(), piped.sparse.full_state_dict()
+    for k in want:
+        assert torch.equal(state[k], want[k]), k
+
+
+def test_the_pipeline_trains_as_the_plain_loop_bitwise():
+    run_world(_pipeline_equals_plain_loop, 2)
+
+
+def _bad_batch_in_the_pipeline(rank, world):
+    torch.manual_seed(1)
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
+    model = Model(ed.shard(EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1)), PLANS["row_wise"]), width)
+    data = batches(rank, 3)
+    if rank == 1:  # the second batch of rank 1 has an id past its table
+        kjt = data[1]["sparse_features"]
+        values = kjt.values().clone()
+        values[-1] = 1000
+        data[1]["sparse_features"] = KeyedJaggedTensor(KEYS, values, lengths=kjt.lengths())
+    pipe = ed.TrainPipeline(model, None, "cpu")
+    it = iter(data)
+    pipe.progress(it)  # the first batch trains (the second's exchange, started meanwhile, failed)
+    before = model.sparse.full_state_dict()
+    try:
+        pipe.progress(it)
+        raise AssertionError("the bad batch trained")
+    except IndexError as e:
+        assert str(e).startswith("rank 1's batch: "), str(e)
+    after = model.sparse.full_state_dict()
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+
+
+def test_a_bad_batch_in_the_pipeline_raises_at_its_own_step_on_every_rank():
+    run_world(_bad_batch_in_the_pipeline, 2)
