@@ -78,8 +78,15 @@ def test_to_moves_everything_in_one_buffer(kjt):
 def test_to_cuda_is_one_copy_and_exact():
     kjt = KeyedJaggedTensor(["a", "b"], torch.arange(7), torch.rand(7), lengths=torch.tensor([1, 2, 0, 4]))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        moved = kjt.pin_memory().to("cuda", non_blocking=True)
+        moved = kjt.to("cuda", non_blocking=True)
     assert [e.name for e in prof.events()].count("cudaMemcpyAsync") == 1
+    assert per_sample(moved.to("cpu")) == per_sample(kjt)
+    pinned = kjt.pin_memory()  # packed once: its move is the one copy, with nothing packed on the host
+    assert pinned.values().is_pinned() and per_sample(pinned) == per_sample(kjt)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moved = pinned.to("cuda", non_blocking=True)
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaMemcpyAsync") == 1 and names.count("aten::copy_") == 1
     assert per_sample(moved.to("cpu")) == per_sample(kjt)
 
 

@@ -270,7 +270,28 @@ class KeyedJaggedTensor(_Jagged):
         return [t for t in (self._values, self._lengths, self._weights) if t is not None]
 
     def pin_memory(self) -> "KeyedJaggedTensor":
-        return self._with(*[t.pin_memory() for t in self._tensors()])
+        """The KJT in pinned host memory, packed as `to` packs it (one buffer, 16-byte aligned
+        parts) so that a later `.to("cuda", non_blocking=True)` is that buffer's one copy with no
+        packing on the host (a data loader worker pays for the packing instead)."""
+        self.length_per_key()
+        buf, starts, sizes = self._pack(pin=True)
+        out = self._with(*self._unpack(buf, starts, sizes))
+        out._packed = (buf, starts, sizes)
+        return out
+
+    def _pack(self, pin: bool):
+        parts = self._tensors()
+        sizes = [t.numel() * t.element_size() for t in parts]
+        starts = [0]
+        for s in sizes:
+            starts.append(starts[-1] + -(-s // 16) * 16)
+        buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+        for t, a, s in zip(parts, starts, sizes):
+            buf[a:a + s] = t.contiguous().view(-1).view(torch.uint8)
+        return buf, starts, sizes
+
+    def _unpack(self, buf, starts, sizes):
+        return [buf[a:a + s].view(t.dtype).view(t.shape) for t, a, s in zip(self._tensors(), starts, sizes)]
 
     def _with(self, values, lengths, weights=None):
         return KeyedJaggedTensor(self._keys, values, weights, lengths=lengths, stride=self._stride,
@@ -278,24 +299,19 @@ class KeyedJaggedTensor(_Jagged):
 
     def to(self, device, non_blocking: bool = False) -> "KeyedJaggedTensor":
         """Move to `device` in ONE copy: values, lengths and weights are packed into one byte
-        buffer (16-byte aligned parts), copied, and viewed back as their dtypes on arrival. The
-        per-key lengths are summed here first, so the moved KJT never reads them back."""
+        buffer (16-byte aligned parts), copied, and viewed back as their dtypes on arrival (a KJT
+        from `pin_memory()` is packed already). The per-key lengths are summed here first, so the
+        moved KJT never reads them back."""
         device = torch.device(device)
         if self.device() == device:
             return self
         self.length_per_key()  # on the source side, where it costs no device read
-        parts = self._tensors()
-        sizes = [t.numel() * t.element_size() for t in parts]
-        starts = [0]
-        for s in sizes:
-            starts.append(starts[-1] + -(-s // 16) * 16)
-        pin = non_blocking and self.device().type == "cpu" and device.type == "cuda"
-        buf = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
-        for t, a, s in zip(parts, starts, sizes):
-            buf[a:a + s] = t.contiguous().view(-1).view(torch.uint8)
-        moved = buf.to(device, non_blocking=non_blocking)
-        out = [moved[a:a + s].view(t.dtype).view(t.shape) for t, a, s in zip(parts, starts, sizes)]
-        return self._with(*out)
+        packed = getattr(self, "_packed", None)
+        if packed is None:
+            pin = non_blocking and self.device().type == "cpu" and device.type == "cuda"
+            packed = self._pack(pin)
+        buf, starts, sizes = packed
+        return self._with(*self._unpack(buf.to(device, non_blocking=non_blocking), starts, sizes))
 
     # --- checks and TorchRec interop ---
     def validate(self) -> "KeyedJaggedTensor":
