@@ -3,8 +3,9 @@ idea): while batch i computes on the default stream, batch i+1's input exchange 
 distribution stream and batch i+2's host-to-device copy on a copy stream.
 
 Each step, in host order:
-1. the default stream waits for batch i's copy and exchange (`wait_stream`; the tensors made on
-   the other streams are `record_stream`ed to it so the allocator keeps them);
+1. the default stream waits for batch i's copy (its event: the copy stream is already moving
+   batch i+1) and exchange; the tensors made on the other streams are `record_stream`ed to it so
+   the allocator keeps them;
 2. batch i's forward (its sharded collections take the exchange started a step ago: no host read
    left in the forward), backward (the fused sparse updates) and `optimizer.step()`;
 3. after the backward was launched: batch i+2's copy, then batch i+1's input exchange (whose one
@@ -75,7 +76,7 @@ class TrainPipeline:
         cuda = self.device.type == "cuda"
         self._copy = torch.cuda.Stream(self.device) if cuda else None
         self._dist = torch.cuda.Stream(self.device) if cuda else None
-        self._queue: deque = deque()  # batches on the device; [batch, exchange started]
+        self._queue: deque = deque()  # batches on the device: [batch, exchange started, copy done event]
         self._done = False
         self._source = None
 
@@ -91,14 +92,19 @@ class TrainPipeline:
             self._done = True
             return
         with self._stream(self._copy):
-            self._queue.append([_map(host, lambda t: t.to(self.device, non_blocking=True)), False])
+            moved = _map(host, lambda t: t.to(self.device, non_blocking=True))
+            copied = None
+            if self._copy is not None:  # this batch's copy alone: the stream goes on to the next
+                copied = torch.cuda.Event()
+                copied.record(self._copy)
+            self._queue.append([moved, False, copied])
 
     def _distribute(self, entry) -> None:
         if entry[1] or not self.sharded:
             return
         with self._stream(self._dist):
             if self._dist is not None:
-                self._dist.wait_stream(self._copy)
+                self._dist.wait_event(entry[2])
                 _record(entry[0], self._dist)
             kjt = self.features(entry[0])
             for m in self.sharded:
@@ -117,7 +123,7 @@ class TrainPipeline:
         batch = entry[0]
         if self._copy is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self._copy)
+            current.wait_event(entry[2])  # not wait_stream: the copy stream already holds batch i+1's copy
             current.wait_stream(self._dist)
             _record(batch, current)
         if self.optimizer is not None:
