@@ -4,7 +4,7 @@ distribution stream and batch i+2's host-to-device copy on a copy stream.
 
 Each step, in host order:
 1. the default stream waits for batch i's copy (its event: the copy stream is already moving
-   batch i+1) and exchange; the tensors made on the other streams are `record_stream`ed to it so
+   a later batch) and exchange; the tensors made on the other streams are `record_stream`ed to it so
    the allocator keeps them;
 2. batch i's forward (its sharded collections take the exchange started a step ago: no host read
    left in the forward), backward (the fused sparse updates) and `optimizer.step()`;
@@ -123,7 +123,7 @@ class TrainPipeline:
         batch = entry[0]
         if self._copy is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(entry[2])  # not wait_stream: the copy stream already holds batch i+1's copy
+            current.wait_event(entry[2])  # not wait_stream: the copy stream is moving a later batch already
             current.wait_stream(self._dist)
             _record(batch, current)
         if self.optimizer is not None:
