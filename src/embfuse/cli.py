@@ -130,7 +130,7 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
     console.print(t)
     console.print(f"all ranks: {result['examples_per_s_total']:,.0f} examples/s")
     r0 = result["ranks"][0]
-    console.print(f"rank 0, us a step over {args.steps} steps: plain loop, batches already on the device "
+    console.print(f"rank 0, us a step (median of 5 alternating runs of {args.steps} steps): plain loop, batches already on the device "
                   f"{r0['plain_device_us']:.0f}; plain loop, batches from pinned host memory {r0['plain_host_us']:.0f}; "
                   f"TrainPipeline, the same host batches {r0['pipelined_host_us']:.0f}")
     plain = result["ranks"][0]["unsharded_step_us"]

@@ -104,6 +104,9 @@ def _time_steps(model, batches, steps, warmup, dev, timer=None):
     return times, comm
 
 
+ROUNDS = 5
+
+
 class _Loss(torch.nn.Module):
     def __init__(self, sharded):
         super().__init__()
@@ -115,7 +118,7 @@ class _Loss(torch.nn.Module):
 
 def _loops(model, batches, steps, warmup, dev) -> dict:
     """Throughput of three training loops over `steps` steps (one sync at the end, all ranks
-    started together), us a step: the plain loop on batches already on the device; the plain
+    started together), us a step, the median of ROUNDS rounds in which the loops alternate: the plain loop on batches already on the device; the plain
     loop on batches from pinned host memory (a copy each step); TrainPipeline on the same host
     batches (the next batches' copy and exchange beside this one's compute)."""
     host = [b.to("cpu").pin_memory() if dev.type == "cuda" else b.to("cpu") for b in batches]
@@ -131,12 +134,12 @@ def _loops(model, batches, steps, warmup, dev) -> dict:
         for _ in range(steps):
             pipe.progress(it)
 
-    out = {}
     runs = {"plain_device_us": lambda: plain(batches, lambda b: b),
             "plain_host_us": lambda: plain(host, lambda b: b.to(dev, non_blocking=True)),
             "pipelined_host_us": piped}
-    for name, run in runs.items():
-        for timed in (False, True):
+    times = {name: [] for name in runs}
+    for rnd in range(1 + ROUNDS):  # the loops alternate, round after round: drift hits each alike
+        for name, run in runs.items():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
@@ -144,8 +147,10 @@ def _loops(model, batches, steps, warmup, dev) -> dict:
             run()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            if timed:
-                out[name] = (time.perf_counter() - start) / steps * 1e6
+            if rnd:  # round 0 warms up
+                times[name].append((time.perf_counter() - start) / steps * 1e6)
+    out = {name: statistics.median(t) for name, t in times.items()}
+    out["rounds_us"] = times
     return out
 
 
