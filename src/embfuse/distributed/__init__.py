@@ -5,8 +5,8 @@ overlaps the next batches' copy and exchange with this batch's compute (pipeline
 
 from embfuse.distributed.comm import CommTimer
 from embfuse.distributed.planner import SHARDING_TYPES, Shard, ShardingPlan, plan_shards
-from embfuse.distributed.sharded import InputDist, ShardedEmbeddingBagCollection, shard
+from embfuse.distributed.sharded import InputDist, OutputDist, ShardedEmbeddingBagCollection, shard
 from embfuse.distributed.pipeline import TrainPipeline
 
-__all__ = ["CommTimer", "InputDist", "SHARDING_TYPES", "Shard", "ShardingPlan", "ShardedEmbeddingBagCollection",
+__all__ = ["CommTimer", "InputDist", "OutputDist", "SHARDING_TYPES", "Shard", "ShardingPlan", "ShardedEmbeddingBagCollection",
            "TrainPipeline", "plan_shards", "shard"]

@@ -1,8 +1,8 @@
 """The collectives a sharded collection runs, all torch.distributed's own (`all_to_all_single`,
 `broadcast`, `all_gather_object`): no home-made transport.
 
-`PooledAllToAll` carries pooled rows to the ranks whose samples they belong to, and carries
-their gradients back in the backward. `CommTimer` measures how long the collectives hold the
+`PooledAllToAll` carries pooled rows to the ranks whose samples they belong to (a request,
+waited on later), and carries their gradients back in the backward. `CommTimer` measures how long the collectives hold the
 step (CUDA events on the GPU, the host clock on the CPU, where gloo's waits block the host).
 """
 
@@ -67,14 +67,15 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
 
 
 class PooledAllToAll(torch.autograd.Function):
-    """Forward: the pooled rows (flat) go to their samples' ranks; backward: the gradients of
-    what arrived go back to the ranks that pooled them, through the reverse all-to-all."""
+    """Forward: the pooled rows (flat) start for their samples' ranks; `handle.work` is the
+    request, to be waited on before the received buffer is read (OutputDist.wait). Backward: the
+    gradients of what arrived go back to the ranks that pooled them (the reverse all-to-all,
+    waited at once: the local backward needs them next)."""
 
     @staticmethod
-    def forward(ctx, pooled, send_splits, recv_splits, group, timer):
+    def forward(ctx, pooled, send_splits, recv_splits, group, timer, handle):
         ctx.shape, ctx.splits, ctx.group, ctx.timer = pooled.shape, (send_splits, recv_splits), group, timer
-        with _timed(timer, "output", pooled.device):
-            recv, _ = all_to_all(pooled.contiguous().view(-1), send_splits, recv_splits, group)
+        recv, handle.work = all_to_all(pooled.contiguous().view(-1), send_splits, recv_splits, group, async_op=True)
         return recv
 
     @staticmethod
@@ -82,4 +83,4 @@ class PooledAllToAll(torch.autograd.Function):
         send_splits, recv_splits = ctx.splits
         with _timed(ctx.timer, "output_backward", grad.device):
             back, _ = all_to_all(grad.contiguous(), recv_splits, send_splits, ctx.group)
-        return back.view(ctx.shape), None, None, None, None
+        return back.view(ctx.shape), None, None, None, None, None

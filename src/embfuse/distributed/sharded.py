@@ -12,7 +12,9 @@ Forward, on every rank, for its own batch of B samples:
 3. Lengths, ids and weights go out in three asynchronous all-to-alls; each rank then looks up
    what it received with its local collection (one launch, fused optimizer included): the
    sources' samples one after another, so the bag order is the concatenated batch's.
-4. The pooled rows go back by one all-to-all (PooledAllToAll, whose backward is the reverse);
+4. The pooled rows go back by one all-to-all (PooledAllToAll, whose backward is the reverse),
+   waited on only when the output is assembled (`forward` = `input_dist`, `lookup_and_send`,
+   `output_wait`: embfuse.fx's overlap pass moves the requests early and the waits late);
    the sample's rank concatenates column pieces and adds row-wise partial sums (in a fixed
    order: deterministic), then divides row-wise mean / sqrtn features by the whole bag's norm.
 
@@ -103,6 +105,14 @@ class InputDist:
                 if t is not None:
                     t.record_stream(stream)
         return self._tensors
+
+
+class OutputDist:
+    """Pooled rows on their way to this rank's samples: `work` is the all-to-all's request,
+    `recv` its buffer (not to be read before `work.wait()`)."""
+
+    def __init__(self, kjt, B):
+        self.kjt, self.B, self.recv, self.work = kjt, B, None, None
 
 
 class ShardedEmbeddingBagCollection(torch.nn.Module):
@@ -349,14 +359,27 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             incoming = ahead[1]
         else:
             incoming = self.input_dist(features)
+        return self.output_wait(self.lookup_and_send(incoming))
+
+    def lookup_and_send(self, incoming: "InputDist") -> "OutputDist":
+        """Wait for the input exchange, look up this rank's shards, and start sending the pooled
+        rows back (the request half of the output exchange)."""
         rl, rv, rw = incoming.wait()
-        kjt, B, batches = incoming.kjt, incoming.B, incoming.batches
+        B, batches = incoming.B, incoming.batches
         pooled = self._lookup(rl, rv, rw, batches, incoming.counts)
         if torch.is_grad_enabled() and not pooled.requires_grad:
             pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
-        recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
-                                    [B * self.widths[o] for o in range(self.world)], self.group, self.comm_timer)
-        return KeyedTensor(self.feature_names, self._dims, self._assemble(recv, kjt, B))
+        handle = OutputDist(incoming.kjt, B)
+        handle.recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
+                                           [B * self.widths[o] for o in range(self.world)], self.group,
+                                           self.comm_timer, handle)
+        return handle
+
+    def output_wait(self, sent: "OutputDist") -> KeyedTensor:
+        """Wait for the pooled rows of this rank's samples and assemble its KeyedTensor."""
+        with _timed(self.comm_timer, "output", self.device):
+            sent.work.wait()
+        return KeyedTensor(self.feature_names, self._dims, self._assemble(sent.recv, sent.kjt, sent.B))
 
     def _lookup(self, rl: Tensor, rv: Tensor, rw: Optional[Tensor], batches: list[int], counts: list[list[int]]):
         """The local collection's pooled rows for every source's samples, sources in rank order."""
