@@ -42,6 +42,8 @@ def demo(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         console.print(f"[red]{e}")
         return 2
+    if "WORLD_SIZE" in os.environ:  # under torchrun: sharded, plain loop against TrainPipeline
+        return demo_distributed(args, console, data)
     train_idx, test_idx = data.split(args.test_fraction, args.seed)
     console.print(f"{data.name}: {len(train_idx):,} training and {len(test_idx):,} test examples, "
                   f"{len(data.sparse)} sparse features ({sum(data.rows.values()):,} embedding rows x {args.dim}), "
@@ -76,6 +78,46 @@ def demo(args: argparse.Namespace) -> int:
         "func": None}, "results": [r.__dict__ | {"step_losses": r.step_losses[::10]} for r in results]}, indent=1))
     console.print(f"wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return 0
+
+
+def demo_distributed(args: argparse.Namespace, console, data) -> int:
+    """`embfuse demo` under torchrun (demo/distributed.py); rank 0 prints and writes."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from rich.table import Table
+
+    from embfuse.demo.distributed import run
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank = dist.get_rank()
+        results = run(args, data, lambda text: rank == 0 and console.print(text))
+        if rank != 0:
+            return 0
+        table = Table(title=f"{data.name}, {dist.get_world_size()} rank(s): {args.epochs} epochs, batch "
+                            f"{args.batch_size}")
+        for col in ("model", "test AUC", "test log-loss", "examples/s (all ranks)"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in results:
+            last = r.lines[-1]
+            table.add_row(f"DLRM, {r.name}", f"{last['test_auc']:.4f}", f"{last['test_logloss']:.4f}",
+                          f"{r.examples_per_s:,.0f}")
+        console.print(table)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "demo-distributed.json").write_text(json.dumps({
+            "data": data.name, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+            "args": vars(args) | {"func": None},
+            "results": [r.__dict__ | {"step_losses": r.step_losses[::10]} for r in results]}, indent=1))
+        console.print(f"wrote {out / 'demo-distributed.json'}")
+        return 0
+    finally:
+        dist.destroy_process_group()
 
 
 def bench(args: argparse.Namespace) -> int:
