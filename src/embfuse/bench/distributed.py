@@ -107,35 +107,57 @@ def _time_steps(model, batches, steps, warmup, dev, timer=None):
 ROUNDS = 5
 
 
-class _Loss(torch.nn.Module):
-    def __init__(self, sharded):
+class _Model(torch.nn.Module):
+    """The step's model: the sharded lookup written first, then a dense bottom MLP that does not
+    need it (13 features -> 512 -> 256 -> 128, DLRM's bottom), the loss reading both."""
+
+    def __init__(self, sharded, device):
         super().__init__()
         self.sharded = sharded
+        self.bottom = torch.nn.Sequential(torch.nn.Linear(13, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+                                          torch.nn.ReLU(), torch.nn.Linear(256, 128)).to(device)
 
-    def forward(self, kjt):
-        return self.sharded(kjt).values().sum()
+    def forward(self, b):
+        pooled = self.sharded(b["sparse_features"]).values()
+        dense = self.bottom(b["dense"])
+        return pooled.sum() + dense.sum()
 
 
 def _loops(model, batches, steps, warmup, dev) -> dict:
-    """Throughput of three training loops over `steps` steps (one sync at the end, all ranks
-    started together), us a step, the median of ROUNDS rounds in which the loops alternate: the plain loop on batches already on the device; the plain
-    loop on batches from pinned host memory (a copy each step); TrainPipeline on the same host
-    batches (the next batches' copy and exchange beside this one's compute)."""
-    host = [b.to("cpu").pin_memory() if dev.type == "cuda" else b.to("cpu") for b in batches]
-    loss = _Loss(model)
-    pipe = ed.TrainPipeline(loss, None, dev)
+    """Throughput of four training loops over `steps` steps (one sync at the end, all ranks
+    started together), us a step, the median of ROUNDS rounds in which the loops alternate: the
+    plain loop on batches already on the device; the same through embfuse.fx.overlap_collectives
+    (requests early, waits late: the bottom MLP runs while the collectives are in flight); the
+    plain loop on batches from pinned host memory (a copy each step); TrainPipeline on the same
+    host batches (the next batches' copy and exchange beside this one's compute)."""
+    from embfuse.fx import overlap_collectives
 
-    def plain(source, move):
+    g = torch.Generator().manual_seed(dist.get_rank())
+    device_batches = [{"dense": torch.randn(b.stride(), 13, generator=g).to(dev), "sparse_features": b}
+                      for b in batches]
+    pin = dev.type == "cuda"
+    host = [{"dense": b["dense"].cpu().pin_memory() if pin else b["dense"].cpu(),
+             "sparse_features": b["sparse_features"].to("cpu").pin_memory() if pin else b["sparse_features"].to("cpu")}
+            for b in device_batches]
+    step_model = _Model(model, dev)
+    overlapped = overlap_collectives(step_model)
+    pipe = ed.TrainPipeline(step_model, None, dev)
+
+    def plain(m, source, move):
         for i in range(steps):
-            loss(move(source[i % len(source)])).backward()
+            m(move(source[i % len(source)])).backward()
 
     def piped():
         it = (host[i % len(host)] for i in range(steps))
         for _ in range(steps):
             pipe.progress(it)
 
-    runs = {"plain_device_us": lambda: plain(batches, lambda b: b),
-            "plain_host_us": lambda: plain(host, lambda b: b.to(dev, non_blocking=True)),
+    def to_device(b):
+        return {k: v.to(dev, non_blocking=True) for k, v in b.items()}
+
+    runs = {"plain_device_us": lambda: plain(step_model, device_batches, lambda b: b),
+            "overlap_pass_device_us": lambda: plain(overlapped, device_batches, lambda b: b),
+            "plain_host_us": lambda: plain(step_model, host, to_device),
             "pipelined_host_us": piped}
     times = {name: [] for name in runs}
     for rnd in range(1 + ROUNDS):  # the loops alternate, round after round: drift hits each alike
