@@ -77,9 +77,11 @@ def grad_weights(B, width, step, rank):
     return torch.randn(B, width, generator=torch.Generator().manual_seed(77 + 31 * step + rank))
 
 
-def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu"):
+def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu", hot_rows=0):
     torch.manual_seed(5)
-    ebc = EmbeddingBagCollection(tables(dtype, weighted), is_weighted=weighted, optimizer=optimizer, device=device)
+    hot = dict(hot_rows=hot_rows, hot_min_values=0) if hot_rows else {}
+    ebc = EmbeddingBagCollection(tables(dtype, weighted), is_weighted=weighted, optimizer=optimizer, device=device,
+                                 **hot)
     ref = copy.deepcopy(ebc)
     model = ed.shard(ebc, PLANS[plan_name])
     assert model._in_order == (world == 1 or plan_name == "in_order")
@@ -115,12 +117,11 @@ def _all_plans(rank, world, device="cpu"):
         if world == 1 and "('table_wise', 1)" in str(PLANS[plan]):
             continue  # it places a table on rank 1
         for opt in (None, SGD(lr=0.1), Adagrad(lr=0.1), Adam(lr=0.05), RowWiseAdagrad(lr=0.1)):
-            if "column_wise" in str(PLANS[plan]) and isinstance(opt, RowWiseAdagrad):
-                continue  # refused: see test_refusals
             _compare(rank, world, plan, opt, torch.float32, False, 3, device)
     _compare(rank, world, "mixed_unplaced", Adagrad(lr=0.1), torch.float32, True, 3, device)
     _compare(rank, world, "mixed_unplaced", SGD(lr=0.1), torch.float16, False, 2, device)
     _compare(rank, world, "mixed_unplaced", Adam(lr=0.05), torch.bfloat16, False, 2, device)
+    _compare(rank, world, "mixed_unplaced", SGD(lr=0.1), torch.float32, False, 3, device, hot_rows=3)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -196,8 +197,6 @@ def _mismatch(rank, world):
     plan = PLANS["row_wise"] if rank == 0 else PLANS["table_wise"]
     with pytest.raises(ValueError, match="different collections or plans: plan"):
         ed.shard(EmbeddingBagCollection(tables()), plan)
-    with pytest.raises(ValueError, match="column_wise with RowWiseAdagrad"):
-        ed.shard(EmbeddingBagCollection(tables(), optimizer=RowWiseAdagrad()), PLANS["column_wise"])
 
 
 def test_ranks_given_different_collections_fail_at_shard():

@@ -67,6 +67,7 @@ def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan) -> dict:
                     list(t.feature_names)) for t in ebc.tables],
         "is_weighted": ebc.is_weighted(),
         "optimizer": repr(ebc.optimizer),
+        "hot_rows": None if ebc._hot is None else (ebc._hot.k, ebc._hot.refresh, ebc._hot.min_values),
         "plan": plan.describe(),
     }
 
@@ -107,6 +108,49 @@ class InputDist:
         return self._tensors
 
 
+class PieceUpdate:
+    """The update of column pieces whose optimizer keeps one state a row (row-wise Adagrad):
+    exact, as the unsharded table's. Every piece of a table sees the same ids in the same order,
+    so its touched rows line up across the pieces; after the backward has accumulated the
+    pieces' gradient, each piece sums its part of each touched row's squared gradient, the
+    pieces' sums are added by one all_reduce a table (its pieces' group), and each piece applies
+    the rule with the whole row's mean. Torch ops and a dense gradient of the pieces: this
+    combination pays a slower update for exactness."""
+
+    def __init__(self, pieces: EmbeddingBagCollection, optimizer, tables: list[tuple]):
+        self.pieces, self.optimizer, self.tables = pieces, optimizer, tables  # tables: (group, full width)
+        _, value = optimizer.state_spec()["sum"]
+        self.state = torch.full((pieces._row_starts[-1],), float(value), dtype=torch.float32,
+                                device=pieces.weights.device)
+        self.steps, self._touched = 0, None
+        pieces.weights.register_post_accumulate_grad_hook(self._update)
+
+    def saw(self, kjt: KeyedJaggedTensor) -> None:
+        """The rows each piece table's features look up in this batch (a host read: torch.unique)."""
+        per_key = dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
+        self._touched = [torch.unique(torch.cat([per_key[f].long() for f in t.feature_names]))
+                         for t in self.pieces.tables]
+
+    def _update(self, weights) -> None:
+        hyper = self.optimizer.hyper(self.steps + 1)
+        grad = weights.grad
+        starts, rows_at = self.pieces._starts, self.pieces._row_starts
+        with torch.no_grad():
+            for i, ((group, width), rows) in enumerate(zip(self.tables, self._touched)):
+                n, d = self.pieces._shapes[i]
+                w = weights.data[starts[i]:starts[i + 1]].view(n, d)
+                g = grad[starts[i]:starts[i + 1]].view(n, d)[rows].float()
+                g = g + hyper.weight_decay * w[rows].float()
+                squares = (g * g).sum(1)
+                dist.all_reduce(squares, group=group)
+                state = self.state[rows_at[i]:rows_at[i + 1]]
+                s = state[rows] + squares / width
+                state[rows] = s
+                w[rows] = (w[rows].float() - hyper.lr * g / (s.sqrt() + hyper.eps)[:, None]).to(w.dtype)
+        weights.grad = None
+        self.steps += 1
+
+
 class OutputDist:
     """Pooled rows on their way to this rank's samples: `work` is the all-to-all's request,
     `recv` its buffer (not to be read before `work.wait()`)."""
@@ -123,8 +167,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def __init__(self, ebc: EmbeddingBagCollection, plan: ShardingPlan, group=None):
         super().__init__()
-        if ebc._hot is not None:
-            raise ValueError("hot_rows is not carried to shards: shard a collection built without it")
         self.group, self.plan = group, plan
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = ebc.weights.device
@@ -139,11 +181,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 raise ValueError(f"ranks were given different collections or plans: {path} is {a!r} on rank 0 and "
                                  f"{b!r} on rank {r}")
         rowwise_state = ebc.optimizer is not None and any(p == "row" for p, _ in ebc.optimizer.state_spec().values())
-        for t in ebc.tables:
-            if rowwise_state and plan.types[t.name] == "column_wise":
-                raise ValueError(f"table {t.name!r}: column_wise with {type(ebc.optimizer).__name__} would keep one "
-                                 f"row state a piece, each fed only its columns (the unsharded table feeds it the "
-                                 f"whole row): shard it table_wise or row_wise")
+        # column-wise pieces of a table whose optimizer keeps one state a row: the state is fed the
+        # whole row's squared gradient, summed across the pieces (see PieceUpdate)
+        self._exact = {t.name for t in ebc.tables if rowwise_state and plan.types[t.name] == "column_wise"
+                       and len(plan.shards[t.name]) > 1}
         self.tables = list(ebc.tables)
         self.feature_names = list(ebc.feature_names)
         self._dims = list(ebc._dims)
@@ -158,8 +199,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     # ---- what lives where ----
     def _local_configs(self, rank: int) -> list[EmbeddingBagConfig]:
+        """This rank's shards as tables: those its fused collection updates first, then the
+        column pieces PieceUpdate updates."""
         out = []
-        for s in self.plan.local(rank):
+        shards = self.plan.local(rank)
+        for s in sorted(shards, key=lambda s: s.table in self._exact):
             t = self.tables[self._table_index[s.table]]
             pooling = "sum" if self.plan.types[s.table] == "row_wise" else _pooling(t.pooling)
             out.append(EmbeddingBagConfig(num_embeddings=s.rows, embedding_dim=s.dim, name=s.table,
@@ -168,9 +212,24 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return out
 
     def _build_local(self, ebc) -> None:
-        configs = self._local_configs(self.rank)
+        configs = [c for c in self._local_configs(self.rank) if c.name not in self._exact]
+        hot = ebc._hot  # hot_rows: each rank's collection takes its hot set from what it looks up
+        options = dict(hot_rows=hot.k, hot_refresh=hot.refresh, hot_min_values=hot.min_values) if hot else {}
         self.local = EmbeddingBagCollection(configs, self._is_weighted, self.device, ebc.optimizer,
-                                            bounds_check="off") if configs else None
+                                            bounds_check="off", **options) if configs else None
+        pieces = [c for c in self._local_configs(self.rank) if c.name in self._exact]
+        groups = {}  # every rank makes every group, in one order (new_group's rule)
+        for name in sorted(self._exact, key=self._table_index.__getitem__):
+            ranks = tuple(self._global(s.rank) for s in self.plan.shards[name])
+            if ranks not in groups:
+                groups[ranks] = dist.new_group(list(ranks))
+        self.pieces = None
+        if pieces:
+            self.pieces = EmbeddingBagCollection(pieces, self._is_weighted, self.device, bounds_check="off")
+            self.piece_update = PieceUpdate(self.pieces, ebc.optimizer, [
+                (groups[tuple(self._global(s.rank) for s in self.plan.shards[c.name])],
+                 self.tables[self._table_index[c.name]].embedding_dim) for c in pieces])
+            self.register_buffer("pieces_sum", self.piece_update.state)
 
     def _build_routes(self) -> None:
         """Host tables of the routing: each rank's features (`entries`), their slots (one per
@@ -384,13 +443,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _lookup(self, rl: Tensor, rv: Tensor, rw: Optional[Tensor], batches: list[int], counts: list[list[int]]):
         """The local collection's pooled rows for every source's samples, sources in rank order."""
         total = sum(batches)
-        if self.local is None:
+        if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
         E, W = len(self.entries[self.rank]), self.world
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         if W == 1:  # one source: what arrived is already feature-major
-            return self.local(KeyedJaggedTensor(self.entries[self.rank], rv, rw, lengths=rl, stride=total,
-                                                length_per_key=per_key)).values()
+            return self._pool(KeyedJaggedTensor(self.entries[self.rank], rv, rw, lengths=rl, stride=total,
+                                                length_per_key=per_key))
         lens, vals, wts = [], [], []
         len_start = [0]
         val_start = [0]
@@ -407,7 +466,18 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                     wts.append(rw[v:v + counts[s][e]])
         kjt = KeyedJaggedTensor(self.entries[self.rank], torch.cat(vals), torch.cat(wts) if rw is not None else None,
                                 lengths=torch.cat(lens), stride=total, length_per_key=per_key)
-        return self.local(kjt).values()
+        return self._pool(kjt)
+
+    def _pool(self, kjt: KeyedJaggedTensor) -> Tensor:
+        """The fused collection's features, then the pieces' (their order in `entries`)."""
+        if self.pieces is None:
+            return self.local(kjt).values()
+        n = len(self.pieces.feature_names)
+        fused, pieces = kjt.split([len(kjt.keys()) - n, n])
+        if torch.is_grad_enabled():
+            self.piece_update.saw(pieces)
+        out = self.pieces(pieces).values()
+        return out if self.local is None else torch.cat([self.local(fused).values(), out], 1)
 
     def _dtype(self):
         return _dtype(self.tables[0].data_type)
@@ -486,6 +556,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _local_pieces(self, table: str) -> dict[str, Tensor]:
         """This rank's piece of `table`: its weight and each optimizer state, shaped as the shard."""
+        if table in self._exact:
+            i = [c.name for c in self.pieces.tables].index(table)
+            starts = self.pieces._row_starts
+            return {"weight": self.pieces.table_weights()[i], "sum": self.pieces_sum[starts[i]:starts[i + 1]]}
         i = [c.name for c in self.local.tables].index(table)
         rows, dim = self.local._shapes[i]
         out = {"weight": self.local.table_weights()[i]}
@@ -496,6 +570,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             else:
                 out[name] = flat[self.local._starts[i]:self.local._starts[i + 1]].view(rows, dim)
         return out
+
+    def _piece_steps(self) -> int:
+        return self.piece_update.steps if self.pieces is not None else 0
 
     def _state_spec(self) -> dict:
         return self._optimizer.state_spec() if self._optimizer is not None else {}
@@ -530,7 +607,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         for name in spec:
             out[f"optimizer_{name}"] = torch.cat(states[name])
         if self._optimizer is not None:
-            step = torch.tensor([self.local._fused.step if self.local is not None else 0], device=self.device)
+            step = torch.tensor([self.local._fused.step if self.local is not None else self._piece_steps()],
+                                device=self.device)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
             out["optimizer_step"] = step[0].cpu()
         return out
@@ -538,8 +616,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
         """Take this rank's shards from an unsharded collection's state_dict (full_state_dict's
         form, from any plan or world size). No collective: every rank reads its own pieces."""
-        if self.local is None:
-            return
         spec = self._state_spec()
         sizes = {name: [] for name in spec}
         local = {}
@@ -559,9 +635,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 raise KeyError(f"the state has no {key!r} (the collection's optimizer keeps it)")
             flat[name] = dict(zip([t.name for t in self.tables], torch.split(state[key].reshape(-1), sizes[name])))
         state_parts = {name: [] for name in spec}
+        pieces, piece_sums = {}, []
         for s in self.plan.local(self.rank):
             t = self.tables[self._table_index[s.table]]
             full = state[f"embedding_bags.{t.name}.weight"]
+            if s.table in self._exact:
+                pieces[f"embedding_bags.{s.table}.weight"] = full[s.row_start:s.row_end, s.col_start:s.col_end]
+                piece_sums.append((s.table, flat["sum"][t.name]))
+                continue
             local[f"embedding_bags.{s.table}.weight"] = full[s.row_start:s.row_end, s.col_start:s.col_end]
             for name, (per, _) in spec.items():
                 if per == "row":
@@ -569,8 +650,17 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 else:
                     piece = flat[name][t.name].view(t.num_embeddings, t.embedding_dim)
                     state_parts[name].append(piece[s.row_start:s.row_end, s.col_start:s.col_end].reshape(-1))
+        step = state.get("optimizer_step", torch.tensor(0))
+        if self.pieces is not None:
+            self.pieces.load_state_dict({k: v.to(self.device) for k, v in pieces.items()})
+            order = [c.name for c in self.pieces.tables]
+            piece_sums.sort(key=lambda p: order.index(p[0]))
+            self.pieces_sum.copy_(torch.cat([v for _, v in piece_sums]))
+            self.piece_update.steps = int(step)
+        if self.local is None:
+            return
         for name in spec:
             local[f"optimizer_{name}"] = torch.cat(state_parts[name])
         if self._optimizer is not None:
-            local["optimizer_step"] = state.get("optimizer_step", torch.tensor(0))
+            local["optimizer_step"] = step
         self.local.load_state_dict({k: v.to(self.device) for k, v in local.items()})
