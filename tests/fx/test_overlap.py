@@ -67,3 +67,25 @@ def _overlap(rank, world):
 
 def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_result():
     run_world(_overlap, 2)
+
+
+def _compiled(rank, world):
+    torch.manual_seed(1)
+    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1))
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
+    eager = SparseFirst(ed.shard(copy.deepcopy(ebc), PLANS["mixed_unplaced"]), width)
+    other = copy.deepcopy(eager)
+    other.sparse = ed.shard(ebc, PLANS["mixed_unplaced"])
+    compiled = torch.compile(other)  # the dense parts compiled, the sharded call run eagerly between them
+    for b in batches(rank, 3):
+        losses = [m(b) for m in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    want, got = eager.sparse.full_state_dict(), other.sparse.full_state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_a_sharded_collection_trains_under_torch_compile():
+    run_world(_compiled, 2)

@@ -409,6 +409,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         except (errors.BadIdError, errors.BadBatchError, ValueError, TypeError, KeyError, IndexError) as e:
             self._prefetched = (features, None, e)
 
+    @torch.compiler.disable  # under torch.compile: the exchange runs eagerly between compiled regions
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         ahead = getattr(self, "_prefetched", None)
         if ahead is not None and ahead[0] is features:
