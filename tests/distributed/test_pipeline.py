@@ -1,7 +1,6 @@
 """TrainPipeline against the plain loop, batch for batch: the same losses and the same tables,
 dense weights and optimizer state, bitwise (gloo, 2 ranks; NCCL with one GPU on the GPU)."""
 
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +9,7 @@ import embfuse.distributed as ed
 from embfuse import EmbeddingBagCollection, KeyedJaggedTensor
 from embfuse.optim import Adagrad
 from tests.distributed.test_sharded import KEYS, PLANS, batch, kjt_of, tables
+from tests.distributed.twins import assert_trained_alike, dense, twins
 from tests.distributed.worlds import run_world
 
 
@@ -36,14 +36,9 @@ def batches(rank, n, weighted=False):
 
 
 def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced", bad_step=None):
-    torch.manual_seed(1)
-    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1), device=device)
-    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
-    plain = Model(ed.shard(copy.deepcopy(ebc), PLANS[plan]), width).to(device)
-    piped = copy.deepcopy(plain)
-    piped.sparse = ed.shard(ebc, PLANS[plan])  # (a deep copy would share nothing with the process group's state)
+    plain, piped = twins(Model, plan, device)
     data = batches(rank, 5)
-    opt = torch.optim.Adam([p for n, p in plain.named_parameters() if not n.startswith("sparse")], lr=0.01)
+    opt = torch.optim.Adam(dense(plain), lr=0.01)
     losses = []
     for b in data:
         b = {k: v.to(device) for k, v in b.items()}
@@ -52,7 +47,7 @@ def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced"
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    opt2 = torch.optim.Adam([p for n, p in piped.named_parameters() if not n.startswith("sparse")], lr=0.01)
+    opt2 = torch.optim.Adam(dense(piped), lr=0.01)
     pipe = ed.TrainPipeline(piped, opt2, device)
     calls = []
     exchange = piped.sparse.input_dist
@@ -70,12 +65,7 @@ def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced"
     assert len(got) == len(losses) and seen == list(range(1, len(data) + 1)) and len(calls) == len(data)
     for a, b in zip(got, losses):
         assert torch.equal(a, b), (a, b)
-    for (n, a), b in zip(piped.named_parameters(), plain.parameters()):
-        if not n.startswith("sparse"):
-            assert torch.equal(a, b), n
-    want, state = plain.sparse.full_state_dict(), piped.sparse.full_state_dict()
-    for k in want:
-        assert torch.equal(state[k], want[k]), k
+    assert_trained_alike(plain, piped)
 
 
 def test_the_pipeline_trains_as_the_plain_loop_bitwise():

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import embfuse.distributed as ed
 from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor

@@ -2,18 +2,13 @@
 not need the lookup and the waits after them, and training through the rewritten graph gives the
 eager model's losses, weights and tables bitwise."""
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
-import embfuse.distributed as ed
-from embfuse import EmbeddingBagCollection
 from embfuse.fx import overlap_collectives
 from embfuse.fx.overlap import STAGES
-from embfuse.optim import Adagrad
 from tests.distributed.test_pipeline import batches
-from tests.distributed.test_sharded import PLANS, tables
+from tests.distributed.twins import assert_trained_alike, dense, twins
 from tests.distributed.worlds import run_world
 
 
@@ -34,20 +29,14 @@ class SparseFirst(torch.nn.Module):
 
 
 def _overlap(rank, world):
-    torch.manual_seed(1)
-    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1))
-    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
-    eager = SparseFirst(ed.shard(copy.deepcopy(ebc), PLANS["mixed_unplaced"]), width)
-    other = copy.deepcopy(eager)
-    other.sparse = ed.shard(ebc, PLANS["mixed_unplaced"])
+    eager, other = twins(SparseFirst)
     gm = overlap_collectives(other)
     nodes = list(gm.graph.nodes)
     request, middle, wait = (next(i for i, n in enumerate(nodes) if n.target is f) for f in STAGES)
     mlp = [i for i, n in enumerate(nodes) if n.op == "call_module" and n.target.startswith("mlp")]
     assert request < min(mlp) and max(mlp) < wait and request < middle < wait, [n.format_node() for n in nodes]
     assert not any(n.op == "call_module" and n.target == "sparse" for n in nodes)
-    opts = [torch.optim.SGD([p for n, p in m.named_parameters() if not n.startswith("sparse")], lr=0.1)
-            for m in (eager, gm)]
+    opts = [torch.optim.SGD(dense(m), lr=0.1) for m in (eager, gm)]
     for b in batches(rank, 3):
         losses = []
         for m, opt in zip((eager, gm), opts):
@@ -57,12 +46,7 @@ def _overlap(rank, world):
             opt.step()
             losses.append(loss.detach())
         assert torch.equal(*losses), losses
-    for (n, a), b in zip(gm.named_parameters(), eager.parameters()):
-        if not n.startswith("sparse"):
-            assert torch.equal(a, b), n
-    want, got = eager.sparse.full_state_dict(), gm.sparse.full_state_dict()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    assert_trained_alike(eager, gm)
 
 
 def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_result():
@@ -70,21 +54,14 @@ def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_res
 
 
 def _compiled(rank, world):
-    torch.manual_seed(1)
-    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1))
-    width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
-    eager = SparseFirst(ed.shard(copy.deepcopy(ebc), PLANS["mixed_unplaced"]), width)
-    other = copy.deepcopy(eager)
-    other.sparse = ed.shard(ebc, PLANS["mixed_unplaced"])
+    eager, other = twins(SparseFirst)
     compiled = torch.compile(other)  # the dense parts compiled, the sharded call run eagerly between them
     for b in batches(rank, 3):
         losses = [m(b) for m in (eager, compiled)]
         for loss in losses:
             loss.backward()
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    want, got = eager.sparse.full_state_dict(), other.sparse.full_state_dict()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_trained_alike(eager, other, exact=False)
 
 
 def test_a_model_with_a_sharded_collection_trains_under_torch_compile():
