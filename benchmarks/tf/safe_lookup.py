@@ -3,7 +3,10 @@ TensorFlow's graph runs it (prune, fill empty rows, unique, gather, weight, segm
 zero the empty rows) and against embfuse.embedding_bag on the same bags (issue 21's targets):
 26 features x B16384, one table of 1M x 128 each, bags of 1-20 ids, some ids -1, weighted mean.
 Forward + backward, median us (CUDA events through triton's do_bench), and kernel launches a call
-(torch.profiler). One device call:
+(torch.profiler). The first three rows leave dense gradients (26 x 1M x 128) in .grad, as a
+functional call on a plain tensor must; the last two train in the backward instead (fused SGD,
+no dense gradient): embfuse.tf.SafeEmbeddingBag, and embfuse.nn.EmbeddingBag on the same bags.
+One device call:
 
     PYTHONPATH=src python3 benchmarks/tf/safe_lookup.py [batch]
 """
@@ -76,11 +79,41 @@ def bag_step():
     torch.cat(outs, 1).sum().backward()
 
 
+def sharing(module, table):
+    """`module` (built with one row) made to look up `table` in place, its fused SGD rebuilt."""
+    module.weight = torch.nn.Parameter(table.detach())
+    module.num_embeddings = table.shape[0]
+    module.set_optimizer(embfuse.optim.SGD(lr=1e-3))
+    return module
+
+
+safe_modules = []
+for t in tables:
+    m = embfuse.tf.SafeEmbeddingBag(1, D, "mean", device=dev)
+    sharing(m.bag, t)
+    safe_modules.append(m)
+bag_modules = [sharing(embfuse.nn.EmbeddingBag(1, D, mode="sum", include_last_offset=True, device=dev), t)
+               for t in tables]
+
+
+def fused_safe_step():
+    torch.cat([m(b[0], b[1]) for m, b in zip(safe_modules, batches)], 1).sum().backward()
+
+
+def fused_bag_step():
+    torch.cat([m(i, o, per_sample_weights=w) for m, (i, o, w) in zip(bag_modules, pruned)], 1).sum().backward()
+
+
 ref = torch.cat([composed(t, b[0], b[1]) for t, b in zip(tables, batches)], 1)
+with torch.no_grad():
+    fused = torch.cat([m(b[0], b[1]) for m, b in zip(safe_modules, batches)], 1)
+print("max |SafeEmbeddingBag - composed|", float((ref - fused).abs().max()), flush=True)
 got = torch.cat([embfuse_tf(t, b[0], b[1]) for t, b in zip(tables, batches)], 1)
 print("max |embfuse.tf - composed|", float((ref - got).abs().max()), flush=True)
 for name, run in (("composed torch (TF's graph)", step(composed)), ("embfuse.tf", step(embfuse_tf)),
-                  ("embfuse.embedding_bag, same bags", bag_step)):
+                  ("embfuse.embedding_bag, same bags", bag_step),
+                  ("embfuse.tf.SafeEmbeddingBag, fused SGD", fused_safe_step),
+                  ("embfuse.nn.EmbeddingBag, fused SGD, same bags", fused_bag_step)):
     run()
     us = do_bench(run, warmup=3, rep=50, return_mode="median") * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

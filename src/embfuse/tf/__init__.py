@@ -1,7 +1,9 @@
 """TensorFlow / DeepRec semantics: `embfuse.tf.safe_embedding_lookup_sparse` and friends give
 TensorFlow's numbers (combiners sum / mean / sqrtn, pruning, default ids, max_norm clipping,
-partitioned tables) on torch tensors. See lookup.py for the exact rules."""
+partitioned tables) on torch tensors. See lookup.py for the exact rules; module.py's
+SafeEmbeddingBag is a trainable table with the same lookup and embfuse's fused optimizers."""
 
 from embfuse.tf.lookup import embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
+from embfuse.tf.module import SafeEmbeddingBag
 
-__all__ = ["embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse"]
+__all__ = ["SafeEmbeddingBag", "embedding_lookup", "embedding_lookup_sparse", "safe_embedding_lookup_sparse"]
