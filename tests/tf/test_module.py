@@ -72,3 +72,17 @@ def test_ids_past_the_table_are_refused():
         m(sparse([((0, 0), 3), ((1, 0), 10)], (2, 2)))
     with pytest.raises(ValueError, match="default_id 10 is out of range"):
         SafeEmbeddingBag(10, 4, default_id=10)
+
+
+@pytest.mark.gpu
+def test_the_training_step_never_synchronises():
+    m = SafeEmbeddingBag(17, 4, "sqrtn", default_id=5, optimizer=Adagrad(lr=0.1), device="cuda")
+    ids, w = _inputs(3, True, 17, seed=9, device="cuda")
+    m(ids, w).sum().backward()  # compiled kernels, caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            m(ids, w).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

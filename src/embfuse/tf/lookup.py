@@ -135,7 +135,8 @@ def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tenso
     if sp_weights is None:
         return None
     w_idx, w, _ = _sparse_parts(sp_weights, "sparse_weights")
-    if w_idx.shape != indices.shape or not torch.equal(w_idx, indices):
+    # (the same index tensor, as when both were built from one: no device read to compare them)
+    if w_idx.shape != indices.shape or (w_idx.data_ptr() != indices.data_ptr() and not torch.equal(w_idx, indices)):
         raise BadArgumentError("sparse_weights must have the same indices as sparse_ids")
     if not w.is_floating_point():
         raise BadDtypeError(f"sparse_weights must be floating point, got {w.dtype}")

@@ -4,7 +4,8 @@
 sparse_weights, combiner, default_id)` (lookup.py's rules) and, with `optimizer=` (an
 embfuse.optim rule), its backward updates the touched rows in place, as embfuse.nn.EmbeddingBag's.
 
-How, without a host read: every rule is a weighted sum over a divisor. An id TensorFlow would
+How, without a host read (when the weights were built on the ids' index tensor, so that their
+indices need no comparison): every rule is a weighted sum over a divisor. An id TensorFlow would
 drop (id < 0; weight <= 0 for mean and sqrtn) stays in place with weight 0 and id 0; with a
 default id, each row gets one more entry, the default id, weighted 1 when the row kept nothing and
 0 otherwise. The entries then pool in one weighted-sum embedding_bag (fused backward + update),
