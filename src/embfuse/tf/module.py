@@ -76,7 +76,8 @@ class SafeEmbeddingBag(torch.nn.Module):
             ext_ids = torch.empty(n + N, dtype=torch.int64, device=dev)
             ext_w = torch.empty(n + N, dtype=acc, device=dev)
             ext_ids[real_at], ext_w[real_at] = ids, w
-            ext_ids[default_at], ext_w[default_at] = self.default_id, (kept == 0).to(acc)
+            ext_ids.index_fill_(0, default_at, self.default_id)  # (a python int through [] = is a host copy)
+            ext_w[default_at] = (kept == 0).to(acc)
             ext_rows = torch.empty(n + N, dtype=torch.int64, device=dev)
             ext_rows[real_at], ext_rows[default_at] = rows, torch.arange(N, device=dev)
             ids, w, rows, offsets = ext_ids, ext_w, ext_rows, offsets + torch.arange(N + 1, device=dev)
