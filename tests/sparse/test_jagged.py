@@ -197,3 +197,30 @@ def test_torchrecs_constructors():
     like = KeyedJaggedTensor.empty_like(src)
     assert like.keys() == [] and like.stride() == 2 and like.values().dtype == torch.int64
     assert like.weights().dtype == torch.float32 and like.lengths().numel() == 0
+
+
+def test_torchrecs_accessors_that_do_not_compute():
+    kjt = KeyedJaggedTensor(["a", "b", "a"], torch.arange(6), torch.rand(6), offsets=torch.tensor([0, 1, 3, 3, 4, 6, 6]))
+    assert torch.equal(kjt.lengths_or_none(), torch.tensor([1, 2, 0, 1, 2, 0]))
+    assert torch.equal(kjt.offsets_or_none(), torch.tensor([0, 1, 3, 3, 4, 6, 6]))
+    assert KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2])).offsets_or_none() is None
+    assert kjt.stride_per_key() == [2, 2, 2] and not kjt.variable_stride_per_key()
+    assert kjt.inverse_indices_or_none() is None
+    assert kjt.lengths_offset_per_key() == [0, 2, 4, 6]
+    assert kjt.index_per_key() == {"a": 2, "b": 1}  # a repeated key: its last position
+    assert kjt.unsync().length_per_key_or_none() is None and kjt.offset_per_key_or_none() is None
+    assert kjt.sync().length_per_key_or_none() == [3, 1, 2] and kjt.offset_per_key_or_none() == [0, 3, 4, 6]
+    # values (6 x int64) + weights (6 x fp32) + lengths (6 x int64) + offsets (7 x int64)
+    assert kjt.size_in_bytes() == 6 * 8 + 6 * 4 + 6 * 8 + 7 * 8
+    lazy = kjt.to_dict(compute_offsets=False)["b"]
+    assert lazy.offsets_or_none() is None and torch.equal(lazy.offsets(), torch.tensor([0, 0, 1]))
+    assert kjt.to_dict()["b"].offsets_or_none() is not None
+
+
+@pytest.mark.gpu
+def test_record_stream_reaches_every_tensor():
+    kjt = KeyedJaggedTensor(["a"], torch.arange(3), torch.rand(3), lengths=torch.tensor([1, 2])).to("cuda")
+    kjt.offsets()
+    side = torch.cuda.Stream()
+    kjt.record_stream(side)  # (no error: each part is a CUDA tensor the allocator now ties to `side`)
+    assert kjt.size_in_bytes() == 3 * 8 + 3 * 4 + 2 * 8 + 3 * 8

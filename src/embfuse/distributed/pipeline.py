@@ -43,9 +43,8 @@ def _map(obj, fn):
 
 def _record(obj, stream) -> None:
     def record(t):
-        for x in ([t] if isinstance(t, torch.Tensor) else t._tensors()):
-            if x.device.type == "cuda":
-                x.record_stream(stream)
+        if t.device.type == "cuda" if isinstance(t, torch.Tensor) else t.device().type == "cuda":
+            t.record_stream(stream)
         return t
     _map(obj, record)
 

@@ -75,6 +75,27 @@ class _Jagged:
             self._offsets = _offsets_of(self._lengths)
         return self._offsets
 
+    # TorchRec's accessors that do not compute: lengths always exist here (made from offsets at
+    # construction), offsets only once asked for
+    def lengths_or_none(self) -> Optional[Tensor]:
+        return self._lengths
+
+    def offsets_or_none(self) -> Optional[Tensor]:
+        return self._offsets
+
+    def _parts(self) -> list[Tensor]:
+        return [t for t in (self._values, self._weights, self._lengths, self._offsets) if t is not None]
+
+    def size_in_bytes(self) -> int:
+        """Bytes of values, weights, lengths and offsets (those that exist)."""
+        return sum(t.numel() * t.element_size() for t in self._parts())
+
+    def record_stream(self, stream) -> None:
+        """Tell the caching allocator that `stream` uses every tensor of this batch (see
+        torch.Tensor.record_stream): for batches made on one CUDA stream and read on another."""
+        for t in self._parts():
+            t.record_stream(stream)
+
 
 class JaggedTensor(_Jagged):
     """One feature's bags: values[offsets[b]:offsets[b+1]] is sample b's list (and weights)."""
@@ -160,6 +181,39 @@ class KeyedJaggedTensor(_Jagged):
     def offset_per_key(self) -> list[int]:
         return list(itertools.accumulate(self.length_per_key(), initial=0))
 
+    def length_per_key_or_none(self) -> Optional[list[int]]:
+        return self._length_per_key
+
+    def offset_per_key_or_none(self) -> Optional[list[int]]:
+        return None if self._length_per_key is None else self.offset_per_key()
+
+    def sync(self) -> "KeyedJaggedTensor":
+        """Compute the per-key lengths now (a host read on a GPU), so later accessors need none."""
+        self.length_per_key()
+        return self
+
+    def unsync(self) -> "KeyedJaggedTensor":
+        self._length_per_key = None
+        return self
+
+    # one batch size for every key here (TorchRec's variable-batch KJTs are not supported)
+    def stride_per_key(self) -> list[int]:
+        return [self._stride] * len(self._keys)
+
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def inverse_indices_or_none(self):
+        return None
+
+    def lengths_offset_per_key(self) -> list[int]:
+        """Where each key's lengths start in lengths(), and their end."""
+        return [i * self._stride for i in range(len(self._keys) + 1)]
+
+    def index_per_key(self) -> dict[str, int]:
+        """key -> its position in keys() (a repeated key: its last)."""
+        return {k: i for i, k in enumerate(self._keys)}
+
     @staticmethod
     def from_lengths_sync(keys, values, lengths, weights=None, stride=None) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=stride)
@@ -210,9 +264,14 @@ class KeyedJaggedTensor(_Jagged):
         return [JaggedTensor(self._values[vs], None if self._weights is None else self._weights[vs],
                              lengths=self._lengths[ls]) for _, ls, vs in self._key_slices()]
 
-    def to_dict(self) -> dict[str, JaggedTensor]:
-        """key -> JaggedTensor (a repeated key: its last occurrence, as TorchRec's)."""
-        return dict(zip(self._keys, self._per_key()))
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        """key -> JaggedTensor (a repeated key: its last occurrence, as TorchRec's), each with its
+        offsets made now unless `compute_offsets` is False (then on first use)."""
+        out = dict(zip(self._keys, self._per_key()))
+        if compute_offsets:
+            for jt in out.values():
+                jt.offsets()
+        return out
 
     def __getitem__(self, key: str) -> JaggedTensor:
         if key not in self._keys:
