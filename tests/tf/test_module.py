@@ -88,3 +88,12 @@ def test_the_training_step_never_synchronises():
             m(ids, w).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_batches_without_ids():
+    none = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), (3, 2))
+    m = SafeEmbeddingBag(10, 4, "mean", default_id=3, optimizer=SGD(lr=0.1))
+    torch.testing.assert_close(m(none), m.weight[3].detach().expand(3, 4))  # every row the default
+    assert SafeEmbeddingBag(10, 4, "sqrtn")(none).abs().sum() == 0
+    empty = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), (0, 2))
+    assert SafeEmbeddingBag(10, 4)(empty).shape == (0, 4)
