@@ -206,6 +206,20 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     return _combine(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
 
 
+def safe_entries(indices: Tensor, ids: Tensor, shape, weights: Optional[Tensor], combiner: str):
+    """Each entry's row in the flattened [prod(shape[:-1]), shape[-1]] form (row-major), its id
+    as int64, and whether safe_embedding_lookup_sparse keeps it (id >= 0; weight > 0 unless the
+    combiner is sum). No host read."""
+    rows = torch.zeros(indices.shape[1], dtype=torch.int64, device=indices.device)
+    for d, size in enumerate(shape[:-1]):
+        rows = rows * size + indices[d]
+    ids = ids.long()
+    keep = ids >= 0
+    if weights is not None and combiner != "sum":
+        keep &= weights > 0
+    return rows, ids, keep
+
+
 def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
                                  sparse_weights: Optional[Tensor] = None, combiner: str = "mean",
                                  default_id: Optional[int] = None, max_norm: Optional[float] = None,
@@ -223,14 +237,7 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     batch = 1
     for s in shape[:-1]:
         batch *= s
-    # the row of each entry in the flattened [prod(shape[:-1]), shape[-1]] form (row-major)
-    rows = torch.zeros(indices.shape[1], dtype=torch.int64, device=indices.device)
-    for d, size in enumerate(shape[:-1]):
-        rows = rows * size + indices[d]
-    ids = ids.long()
-    keep = ids >= 0
-    if weights is not None and combiner != "sum":
-        keep &= weights > 0
+    rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
     rows, ids = rows[keep], ids[keep]
     weights = None if weights is None else weights[keep]
     _check_ids(ids, total, "safe_embedding_lookup_sparse")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from embfuse.nn.modules import EmbeddingBag
-from embfuse.tf.lookup import COMBINERS, _sparse_parts, _weights_of
+from embfuse.tf.lookup import COMBINERS, _sparse_parts, _weights_of, safe_entries
 
 
 class SafeEmbeddingBag(torch.nn.Module):
@@ -52,13 +52,7 @@ class SafeEmbeddingBag(torch.nn.Module):
         indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
         given = _weights_of(sparse_weights, indices)
         dev, N = ids.device, math.prod(shape[:-1])
-        rows = torch.zeros(indices.shape[1], dtype=torch.int64, device=dev)
-        for d, size in enumerate(shape[:-1]):
-            rows = rows * size + indices[d]
-        ids = ids.long()
-        keep = ids >= 0
-        if given is not None and self.combiner != "sum":
-            keep &= given > 0
+        rows, ids, keep = safe_entries(indices, ids, shape, given, self.combiner)
         acc = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         w = keep.to(acc) if given is None else torch.where(keep, given.to(acc), 0)
         ids = torch.where(keep, ids, 0)
