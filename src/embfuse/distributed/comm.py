@@ -9,7 +9,7 @@ step (CUDA events on the GPU, the host clock on the CPU, where gloo's waits bloc
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
@@ -50,12 +50,7 @@ class CommTimer:
 
 
 def _timed(timer: Optional[CommTimer], name: str, device):
-    return timer(name, device) if timer is not None else _nothing()
-
-
-@contextmanager
-def _nothing():
-    yield
+    return timer(name, device) if timer is not None else nullcontext()
 
 
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, async_op=False):
@@ -84,3 +79,32 @@ class PooledAllToAll(torch.autograd.Function):
         with _timed(ctx.timer, "output_backward", grad.device):
             back, _ = all_to_all(grad.contiguous(), recv_splits, send_splits, ctx.group)
         return back.view(ctx.shape), None, None, None, None, None
+
+
+class InputDist:
+    """A batch's input exchange in flight: `wait()` makes the current stream (or, on gloo, the
+    host) wait for the lengths, ids and weights, and returns them."""
+
+    def __init__(self, owner, kjt, B, batches, counts, rl, rv, rw, works):
+        self.owner, self.kjt, self.B, self.batches, self.counts = owner, kjt, B, batches, counts
+        self._tensors, self._works = (rl, rv, rw), works
+
+    def wait(self):
+        with _timed(self.owner.comm_timer, "input", self.owner.device):
+            for work in self._works:
+                work.wait()
+        self._works = []
+        if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
+            stream = torch.cuda.current_stream(self.owner.device)
+            for t in self._tensors:
+                if t is not None:
+                    t.record_stream(stream)
+        return self._tensors
+
+
+class OutputDist:
+    """Pooled rows on their way to this rank's samples: `work` is the all-to-all's request,
+    `recv` its buffer (not to be read before `work.wait()`)."""
+
+    def __init__(self, kjt, B):
+        self.kjt, self.B, self.recv, self.work = kjt, B, None, None

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from embfuse.distributed.comm import CommTimer, PooledAllToAll, _timed, all_to_all
+from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
+from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
 from embfuse.ops import errors
@@ -85,78 +86,6 @@ def _first_difference(a, b):
                 path, x, y = _first_difference(x, y)
                 return (f"[{i}]{path}", x, y)
     return "", a, b
-
-
-class InputDist:
-    """A batch's input exchange in flight: `wait()` makes the current stream (or, on gloo, the
-    host) wait for the lengths, ids and weights, and returns them."""
-
-    def __init__(self, owner, kjt, B, batches, counts, rl, rv, rw, works):
-        self.owner, self.kjt, self.B, self.batches, self.counts = owner, kjt, B, batches, counts
-        self._tensors, self._works = (rl, rv, rw), works
-
-    def wait(self):
-        with _timed(self.owner.comm_timer, "input", self.owner.device):
-            for work in self._works:
-                work.wait()
-        self._works = []
-        if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
-            stream = torch.cuda.current_stream(self.owner.device)
-            for t in self._tensors:
-                if t is not None:
-                    t.record_stream(stream)
-        return self._tensors
-
-
-class PieceUpdate:
-    """The update of column pieces whose optimizer keeps one state a row (row-wise Adagrad):
-    exact, as the unsharded table's. Every piece of a table sees the same ids in the same order,
-    so its touched rows line up across the pieces; after the backward has accumulated the
-    pieces' gradient, each piece sums its part of each touched row's squared gradient, the
-    pieces' sums are added by one all_reduce a table (its pieces' group), and each piece applies
-    the rule with the whole row's mean. Torch ops and a dense gradient of the pieces: this
-    combination pays a slower update for exactness."""
-
-    def __init__(self, pieces: EmbeddingBagCollection, optimizer, tables: list[tuple]):
-        self.pieces, self.optimizer, self.tables = pieces, optimizer, tables  # tables: (group, full width)
-        _, value = optimizer.state_spec()["sum"]
-        self.state = torch.full((pieces._row_starts[-1],), float(value), dtype=torch.float32,
-                                device=pieces.weights.device)
-        self.steps, self._touched = 0, None
-        pieces.weights.register_post_accumulate_grad_hook(self._update)
-
-    def saw(self, kjt: KeyedJaggedTensor) -> None:
-        """The rows each piece table's features look up in this batch (a host read: torch.unique)."""
-        per_key = dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
-        self._touched = [torch.unique(torch.cat([per_key[f].long() for f in t.feature_names]))
-                         for t in self.pieces.tables]
-
-    def _update(self, weights) -> None:
-        hyper = self.optimizer.hyper(self.steps + 1)
-        grad = weights.grad
-        starts, rows_at = self.pieces._starts, self.pieces._row_starts
-        with torch.no_grad():
-            for i, ((group, width), rows) in enumerate(zip(self.tables, self._touched)):
-                n, d = self.pieces._shapes[i]
-                w = weights.data[starts[i]:starts[i + 1]].view(n, d)
-                g = grad[starts[i]:starts[i + 1]].view(n, d)[rows].float()
-                g = g + hyper.weight_decay * w[rows].float()
-                squares = (g * g).sum(1)
-                dist.all_reduce(squares, group=group)
-                state = self.state[rows_at[i]:rows_at[i + 1]]
-                s = state[rows] + squares / width
-                state[rows] = s
-                w[rows] = (w[rows].float() - hyper.lr * g / (s.sqrt() + hyper.eps)[:, None]).to(w.dtype)
-        weights.grad = None
-        self.steps += 1
-
-
-class OutputDist:
-    """Pooled rows on their way to this rank's samples: `work` is the all-to-all's request,
-    `recv` its buffer (not to be read before `work.wait()`)."""
-
-    def __init__(self, kjt, B):
-        self.kjt, self.B, self.recv, self.work = kjt, B, None, None
 
 
 class ShardedEmbeddingBagCollection(torch.nn.Module):
@@ -276,6 +205,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self._divide = torch.tensor([POOLINGS[_pooling(table_of[f].pooling)] if k == "row_wise" else SUM
                                      for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
         self._needs_norm = bool((self._divide != SUM).any())
+        self._dims_t = torch.tensor(self._dims, device=dev)  # the norms' repeat counts
         self._table_names = [table_of[f].name for f in self.feature_names]
         H = _COUNTS + max(len(e) for e in self.entries)
         self._header_width = H
@@ -540,8 +470,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             sumsq = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag, psw.float() ** 2)
         pool = self._divide.repeat_interleave(B)
         norm = pool_norm_reference(pool, lengths, sumsq).view(F, B).T
-        dims = torch.tensor(self._dims, device=dev)
-        return norm.repeat_interleave(dims, dim=1, output_size=sum(self._dims))
+        return norm.repeat_interleave(self._dims_t, dim=1, output_size=sum(self._dims))
 
     # ---- checkpoints ----
     def _broadcast_state(self, ebc: EmbeddingBagCollection) -> dict[str, Tensor]:
