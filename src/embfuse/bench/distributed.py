@@ -83,6 +83,19 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
             dist.destroy_process_group()
 
 
+def _wall(run, dev) -> float:
+    """Seconds `run()` takes, the device idle and every rank started together before it, and the
+    device finished after it."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    run()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _time_steps(model, batches, steps, warmup, dev, timer=None):
     """Each step's wall time (forward, backward, fused update; synchronised, all ranks started
     together) and the time its collectives took."""
@@ -90,14 +103,7 @@ def _time_steps(model, batches, steps, warmup, dev, timer=None):
     for i in range(warmup + steps):
         if timer is not None:
             timer.reset()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        model(batches[i % len(batches)]).values().sum().backward()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        took = time.perf_counter() - start
+        took = _wall(lambda: model(batches[i % len(batches)]).values().sum().backward(), dev)
         if i >= warmup:
             times.append(took)
             comm.append(sum(timer.seconds().values()) if timer is not None else 0.0)
@@ -162,15 +168,9 @@ def _loops(model, batches, steps, warmup, dev) -> dict:
     times = {name: [] for name in runs}
     for rnd in range(1 + ROUNDS):  # the loops alternate, round after round: drift hits each alike
         for name, run in runs.items():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            took = _wall(run, dev)
             if rnd:  # round 0 warms up
-                times[name].append((time.perf_counter() - start) / steps * 1e6)
+                times[name].append(took / steps * 1e6)
     out = {name: statistics.median(t) for name, t in times.items()}
     out["rounds_us"] = times
     return out
