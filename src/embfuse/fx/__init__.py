@@ -1,6 +1,14 @@
-"""Graph passes on torch.fx graphs. overlap.py: each sharded collection's all-to-alls split into
-requests and waits, scheduled around the ops that do not need them."""
+"""Graph passes on torch.fx graphs.
 
+- `optimize(model)`: an eager model's embedding stage in its fast form (optimize.py): lookups
+  batched into collections, per-feature chains fused, host-to-device copies combined.
+- `passes`: each pass on its own.
+- overlap.py: each sharded collection's all-to-alls split into requests and waits, scheduled
+  around the ops that do not need them.
+"""
+
+from embfuse.fx import passes
+from embfuse.fx.optimize import optimize, trace as trace_model
 from embfuse.fx.overlap import ShardedTracer, overlap_collectives, split_collectives, trace
 
-__all__ = ["ShardedTracer", "overlap_collectives", "split_collectives", "trace"]
+__all__ = ["optimize", "passes", "trace_model", "ShardedTracer", "overlap_collectives", "split_collectives", "trace"]

@@ -1,0 +1,197 @@
+"""Horizontal fusion: `cat([f_0(x_0), ..., f_{N-1}(x_{N-1})], 1)`, where x_0 .. x_{N-1} are the
+consecutive D-wide column blocks of one (B, N * D) tensor x (the pieces of `x.split(D, 1)`, or of
+a batched lookup's output) and every f_i is the same chain of ops, becomes that chain applied
+once to x viewed as (B, N, D), then viewed back as (B, N * D): no copy for the split, no cat,
+one launch per op instead of N.
+
+Chain ops (modules, functions or methods): LayerNorm over the last D (with or without a
+per-feature affine: each feature's weight and bias are stacked to (N, D), so the original
+parameters keep their names and get their gradients), tanh, sigmoid, relu, gelu, silu. Chains
+match when their ops, eps and affine flags agree; anything else is left as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from embfuse.fx.passes.lookups import CATS
+
+ACTIVATIONS = {
+    torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu",
+    torch.tanh: "tanh", torch.sigmoid: "sigmoid", torch.relu: "relu", F.relu: "relu", F.tanh: "tanh",
+    F.sigmoid: "sigmoid", F.silu: "silu", F.gelu: "gelu",
+}
+APPLY = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu": F.silu, "gelu": F.gelu}
+
+
+def _is_split(node) -> bool:
+    return isinstance(node, torch.fx.Node) and (
+        (node.op == "call_function" and node.target is torch.split) or (node.op == "call_method" and node.target == "split"))
+
+
+def _op(gm: torch.fx.GraphModule, node: torch.fx.Node, D: int):
+    """(kind, settings, per-feature parameters) of a chain node, or None when it is not a chain op."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        if type(m) in ACTIVATIONS:
+            return ACTIVATIONS[type(m)], (), ()
+        if type(m) is torch.nn.GELU:
+            return "gelu", (m.approximate,), ()
+        if type(m) is torch.nn.LayerNorm and tuple(m.normalized_shape) == (D,):
+            return "layer_norm", (m.eps, m.weight is not None, m.bias is not None), (
+                f"{node.target}.weight" if m.weight is not None else None,
+                f"{node.target}.bias" if m.bias is not None else None)
+        return None
+    if node.op == "call_method" and node.target in APPLY and len(node.args) == 1 and not node.kwargs:
+        return node.target, (), ()
+    if node.op == "call_function" and node.target in ACTIVATIONS:
+        if node.target is F.gelu:
+            return "gelu", (node.kwargs.get("approximate", "none"),), ()
+        return ACTIVATIONS[node.target], (), ()
+    if node.op == "call_function" and node.target is F.layer_norm:
+        args = list(node.args) + [None] * (5 - len(node.args))
+        shape = node.kwargs.get("normalized_shape", args[1])
+        w, b = node.kwargs.get("weight", args[2]), node.kwargs.get("bias", args[3])
+        eps = node.kwargs.get("eps", args[4] if args[4] is not None else 1e-5)
+        if not isinstance(shape, (list, tuple)) or tuple(shape) != (D,) or any(isinstance(p, torch.fx.Node) and p.op != "get_attr" for p in (w, b)):
+            return None
+        return "layer_norm", (eps, w is not None, b is not None), (
+            w.target if w is not None else None, b.target if b is not None else None)
+    return None
+
+
+def _chain(gm, end: torch.fx.Node, D: int):
+    """Walk back from `end` through single-use chain ops: (root, [op, ...] in order) or None."""
+    ops, node = [], end
+    while (op := _op(gm, node, D)) is not None:
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        ops.append(op)
+        node = node.args[0]
+        if len(node.users) != 1:
+            break
+    return node, ops[::-1]
+
+
+def _blocks(roots: list[torch.fx.Node]):
+    """(x, D) when `roots` are x's consecutive D-wide column blocks covering x whole, else None."""
+    first = roots[0]
+    if first.op == "call_function" and first.target is operator.getitem:
+        split = first.args[0]
+        if not _is_split(split):
+            return None
+        x, size = split.args[0], split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections",
+                                                                                           split.kwargs.get("split_size"))
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if dim not in (1, -1) or not isinstance(size, int):
+            return None
+        if [r.args for r in roots] != [(split, k) for k in range(len(roots))]:
+            return None
+        if len([u for u in split.users]) != len(roots):
+            return None
+        return x, size
+    if first.op == "call_function" and first.target is torch.narrow:
+        x, D = first.args[0], first.args[3]
+        if [r.args for r in roots] != [(x, 1, k * D, D) for k in range(len(roots))]:
+            return None
+        if x.meta.get("embfuse_width") != D * len(roots):  # (set by the lookup pass on its outputs)
+            return None
+        return x, D
+    return None
+
+
+def as_blocks(x: torch.Tensor, N: int, D: int) -> torch.Tensor:
+    """x (B, N * D) viewed as (B, N, D): the N column blocks side by side."""
+    if x.dim() != 2 or x.shape[1] != N * D:
+        raise ValueError(f"fused chains expect a (B, {N * D}) input ({N} blocks of {D}), got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], N, D)
+
+
+def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -> torch.fx.GraphModule:
+    """Rewrite every matching cat-of-chains in `gm` (module docstring). Returns `gm`, recompiled."""
+    report = [] if report is None else report
+    graph = gm.graph
+    for cat in [n for n in graph.nodes if n.op == "call_function" and n.target in CATS]:
+        tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if dim not in (1, -1) or not isinstance(tensors, (list, tuple)) or len(tensors) < 2:
+            continue
+        if not all(isinstance(t, torch.fx.Node) and len(t.users) == 1 for t in tensors):
+            continue
+        D = _width(tensors[0])
+        chains = [_chain(gm, t, D) for t in tensors] if D else [None]
+        if any(c is None for c in chains):
+            continue
+        roots = [c[0] for c in chains]
+        kinds = {tuple((k, s) for k, s, _ in c[1]) for c in chains}
+        blocks = _blocks(roots)
+        if len(kinds) != 1 or not chains[0][1] or blocks is None or blocks[1] != D:
+            continue
+        x, N = blocks[0], len(tensors)
+        with graph.inserting_before(cat):
+            y = graph.call_function(as_blocks, (x, N, D))
+            for k, (kind, settings, _) in enumerate(chains[0][1]):
+                params = [c[1][k][2] for c in chains]
+                y = _apply(graph, y, kind, settings, params, D)
+            out = graph.call_function(torch.flatten, (y, 1))
+        cat.replace_all_uses_with(out)
+        dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
+        for node in dead:
+            graph.erase_node(node)
+        for root in roots:
+            if not root.users:
+                graph.erase_node(root)
+        report.append(f"fused {N} chains of {' -> '.join(k for k, _, _ in chains[0][1])} over {N} x {D} "
+                      f"into one")
+    split_nodes = [n for n in graph.nodes if _is_split(n) and not n.users]
+    for n in split_nodes:
+        graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _width(node: torch.fx.Node) -> int | None:
+    """The feature width D of a chain's end, from its root block (split size or narrow length)."""
+    while node is not None:
+        if node.op == "call_function" and node.target is torch.narrow:
+            return node.args[3]
+        if node.op == "call_function" and node.target is operator.getitem:
+            split = node.args[0]
+            if _is_split(split):
+                size = split.args[1] if len(split.args) > 1 else None
+                return size if isinstance(size, int) else None
+            return None
+        node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return None
+
+
+def _nodes_between(end: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Node]:
+    """The chain's nodes from `end` back to (not including) `root`, users first."""
+    out = []
+    while end is not root:
+        out.append(end)
+        end = end.args[0]
+    return out
+
+
+def _apply(graph: torch.fx.Graph, y, kind: str, settings, params, D: int):
+    if kind != "layer_norm":
+        if kind == "gelu":
+            return graph.call_function(F.gelu, (y,), {"approximate": settings[0]})
+        return graph.call_function(APPLY[kind], (y,))
+    eps, has_weight, has_bias = settings
+    y = graph.call_function(F.layer_norm, (y, (D,), None, None, eps))
+    weight = graph.call_function(torch.stack, ([graph.get_attr(w) for w, _ in params],)) if has_weight else None
+    bias = graph.call_function(torch.stack, ([graph.get_attr(b) for _, b in params],)) if has_bias else None
+    if weight is not None and bias is not None:
+        return graph.call_function(torch.addcmul, (bias, y, weight))
+    if weight is not None:
+        return graph.call_function(operator.mul, (y, weight))
+    if bias is not None:
+        return graph.call_function(operator.add, (y, bias))
+    return y

@@ -1,0 +1,325 @@
+"""Batch the lookups: the N `torch.nn.EmbeddingBag` calls of one forward become one embfuse
+collection lookup (one check pass, one pooling launch, one fused backward).
+
+A call is batched when its module is a plain `nn.EmbeddingBag` with sum or mean pooling and no
+max_norm, padding_idx, scale_grad_by_freq or include_last_offset (per_sample_weights with sum
+only, as torch requires). Calls that share a table dtype and device, and whose inputs exist
+before any of their outputs is used, form one `LookupBatch`; each call's output becomes a column
+slice of the batch's (B, sum of widths) output, and a `torch.cat` of all of them, in order,
+becomes the output itself. Calls left alone are listed, with the reason, in the report.
+
+Inputs: a call's ids, offsets and weights may be host tensors moved by `.to(device)` (or
+`.cuda()`) in the model; the pass then hands the host tensors to the batch, which writes every
+feature into one pinned buffer on the host (global offsets and all) and copies it once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch import Tensor
+
+from embfuse.fx.staging import Staging
+from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig
+from embfuse.ops.errors import BadBatchError
+from embfuse.sparse.jagged import KeyedJaggedTensor
+
+MOVES = ("to", "cuda")
+CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def unbatchable(m: torch.nn.Module) -> str | None:
+    """Why the lookup of `m` cannot join a collection, or None when it can."""
+    if type(m) is not torch.nn.EmbeddingBag:
+        return f"{type(m).__name__} is not a plain torch.nn.EmbeddingBag"
+    for name, ok in (("mode", m.mode in ("sum", "mean")), ("max_norm", m.max_norm is None),
+                     ("padding_idx", m.padding_idx is None), ("scale_grad_by_freq", not m.scale_grad_by_freq),
+                     ("include_last_offset", not m.include_last_offset)):
+        if not ok:
+            return f"{name}={getattr(m, name)!r} is not batched (a collection pools sum or mean only)"
+    if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"a {m.weight.dtype} table is not batched"
+    return None
+
+
+class TableView(torch.nn.Module):
+    """Where a batched nn.EmbeddingBag was: `weight` is its table, a view of the collection's flat
+    buffer, and the state_dict keeps the original key (`<path>.weight`)."""
+
+    def __init__(self, batch: "LookupBatch", name: str):
+        super().__init__()
+        self._batch = [batch]  # a list: not a submodule (the batch is registered once, elsewhere)
+        self._name = name
+
+    @property
+    def weight(self) -> Tensor:
+        return self._batch[0].collection.embedding_weight(self._name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        w = self.weight
+        destination[prefix + "weight"] = w if keep_vars else w.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        value, w = state_dict[key], self.weight
+        if tuple(value.shape) != tuple(w.shape):
+            error_msgs.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(w.shape)} here")
+            return
+        with torch.no_grad():
+            w.copy_(value)
+
+
+class LookupBatch(torch.nn.Module):
+    """Pooled lookups of several features, one table each, as one EmbeddingBagCollection call.
+    forward(ids, offsets, weights): per feature, torch's EmbeddingBag inputs (2-D ids and no
+    offsets, or 1-D ids with B offsets; weights or None), on the host or the device. Returns the
+    (B, sum of widths) pooled output in feature order.
+
+    Its state_dict holds no tables (their TableViews do) and the optimizer state; loading a
+    checkpoint without optimizer state (an eager model's) keeps the current one."""
+
+    def __init__(self, names: list[str], modules: list[torch.nn.EmbeddingBag], weighted: bool, optimizer=None):
+        super().__init__()
+        w = modules[0].weight
+        tables = [EmbeddingBagConfig(m.num_embeddings, m.embedding_dim, name=n, feature_names=[n],
+                                     data_type=w.dtype, pooling=m.mode) for n, m in zip(names, modules)]
+        self.collection = EmbeddingBagCollection(tables, is_weighted=weighted, device=w.device, optimizer=optimizer)
+        with torch.no_grad():
+            for view, m in zip(self.collection.table_weights(), modules):
+                view.copy_(m.weight)
+        self.names = list(names)
+        self.weighted = weighted
+        self.register_state_dict_post_hook(_drop_tables)
+        self.register_load_state_dict_pre_hook(_keep_missing)
+
+    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:
+        device = self.collection.weights.device
+        B = _batch_size(self.names, ids, offsets)
+        parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
+        if all(t.device.type == "cpu" for t in parts):
+            values, offs, psw = _stage(self.names, ids, offsets, weights if self.weighted else None, B, device)
+        else:
+            values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
+        kjt = KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
+        return self.collection(kjt).values()
+
+
+def _drop_tables(module, state_dict, prefix, local_metadata):
+    for name in module.names:
+        state_dict.pop(f"{prefix}collection.embedding_bags.{name}.weight", None)
+
+
+def _keep_missing(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    # the tables load through their TableViews; state absent from the checkpoint stays as it is
+    for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
+        state_dict.setdefault(key, value.detach())
+    for name in module.names:
+        state_dict[f"{prefix}collection.embedding_bags.{name}.weight"] = module.collection.embedding_weight(name).detach()
+
+
+def _batch_size(names, ids, offsets) -> int:
+    sizes = [i.shape[0] if o is None else o.shape[0] for i, o in zip(ids, offsets)]
+    for name, i, o, b in zip(names, ids, offsets, sizes):
+        if (i.dim() != 2 if o is None else i.dim() != 1 or o.dim() != 1):
+            raise ValueError(f"feature {name!r}: input must be 2-D (B, L) without offsets or 1-D with 1-D offsets; "
+                             f"got input of shape {tuple(i.shape)} and offsets "
+                             f"{None if o is None else tuple(o.shape)}")
+        if b != sizes[0]:
+            raise ValueError(f"feature {name!r} has {b} bags but feature {names[0]!r} has {sizes[0]}: batched "
+                             f"lookups need one batch size")
+    return sizes[0]
+
+
+def _index_dtype(ids, offsets) -> torch.dtype:
+    small = all(t.dtype == torch.int32 for t in list(ids) + [o for o in offsets if o is not None])
+    return torch.int32 if small else torch.int64
+
+
+def _bases(ids) -> list[int]:
+    bases = [0]
+    for i in ids:
+        bases.append(bases[-1] + i.numel())
+    return bases
+
+
+def _local_offsets(i: Tensor, o: Tensor | None, dtype: torch.dtype) -> Tensor:
+    if o is None:  # (B, L) ids: fixed-length bags
+        return torch.arange(0, i.numel(), max(i.shape[1], 1), dtype=dtype, device=i.device)[:i.shape[0]]
+    return o
+
+
+@torch.compiler.disable
+def _stage(names, ids, offsets, weights, B, device):
+    """Host inputs: values, global offsets and weights written into one (pinned) buffer, checked
+    on the host (no device read: the data is here), copied once to a GPU."""
+    dtype, bases, N = _index_dtype(ids, offsets), _bases(ids), len(ids)
+    parts = [(dtype, bases[-1]), (dtype, N * B + 1)]
+    if weights is not None:
+        parts.append((weights[0].dtype, bases[-1]))
+    staging = Staging(parts)
+    values, offs = staging.host[0], staging.host[1]
+    torch.cat([i.reshape(-1).to(dtype) for i in ids], out=values)
+    grid = offs[:N * B].view(N, B)
+    torch.stack([_local_offsets(i, o, dtype) for i, o in zip(ids, offsets)], out=grid)
+    _check_offsets(names, grid, bases)
+    grid += torch.tensor(bases[:-1], dtype=dtype).view(N, 1)
+    offs[-1] = bases[-1]
+    if weights is not None:
+        torch.cat([w.to(parts[2][0]) for w in weights], out=staging.host[2])
+    moved = staging.to(device)
+    return moved[0], moved[1], moved[2] if weights is not None else None
+
+
+def _check_offsets(names, grid: Tensor, bases: list[int]) -> None:
+    """torch's offsets rules, per feature (host data): start at 0, never decrease, stay inside
+    the feature's ids."""
+    if not grid.numel():
+        return
+    counts = torch.tensor([b - a for a, b in zip(bases, bases[1:])], dtype=grid.dtype)
+    bad = (grid[:, 0] != 0) | (grid[:, 1:] < grid[:, :-1]).any(1) | (grid[:, -1] > counts)
+    if not bad.any():
+        return
+    f = int(bad.nonzero()[0])
+    o = grid[f]
+    if int(o[0]) != 0:
+        raise BadBatchError(f"feature {names[f]!r}: offsets[0] must be 0, got {int(o[0])}")
+    dec = (o[1:] < o[:-1]).nonzero()
+    if dec.numel():
+        i = int(dec[0])
+        raise BadBatchError(f"feature {names[f]!r}: offsets must be non-decreasing, but offsets[{i}] = {int(o[i])} > "
+                            f"offsets[{i + 1}] = {int(o[i + 1])}")
+    raise BadBatchError(f"feature {names[f]!r}: offsets[{o.numel() - 1}] = {int(o[-1])} runs past the end of the "
+                        f"input ({int(counts[f])} ids)")
+
+
+def _on_device(ids, offsets, weights, B, device):
+    """Device inputs: a few device ops whatever N, and no host read. A feature
+    whose offsets[0] is not 0 gets a first global offset past the end (or before its start), so
+    the collection's check reports the batch as bad instead of pooling another feature's ids."""
+    ids = [i.to(device) for i in ids]
+    dtype, bases, N = _index_dtype(ids, offsets), _bases(ids), len(ids)
+    values = torch.cat([i.reshape(-1).to(dtype) for i in ids])
+    local = [_local_offsets(i, None if o is None else o.to(device), dtype) for i, o in zip(ids, offsets)]
+    shifted = list(torch._foreach_add(local, bases[:-1])) if N else []
+    offs = torch.cat(shifted + [torch.full((1,), bases[-1], dtype=dtype, device=device)])
+    if B and N:
+        starts = torch.stack([x[0] for x in local])
+        offs[:N * B].view(N, B)[:, 0] += starts.sign() * (bases[-1] + 1)
+    psw = None if weights is None else torch.cat([w.to(device, weights[0].dtype) for w in weights])
+    return values, offs, psw
+
+
+def _arg(node: torch.fx.Node, index: int, name: str):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def _source(arg):
+    """The host tensor behind `x.to(device)` / `x.cuda()` when that move feeds only this lookup."""
+    if (isinstance(arg, torch.fx.Node) and arg.op == "call_method" and arg.target in MOVES
+            and len(arg.users) == 1 and isinstance(arg.args[0], torch.fx.Node)):
+        return arg.args[0]
+    return arg
+
+
+def batch_lookups(gm: torch.fx.GraphModule, optimizer=None, report: list[str] | None = None) -> torch.fx.GraphModule:
+    """Rewrite `gm`'s nn.EmbeddingBag calls as LookupBatch calls (module docstring). With
+    `optimizer` (an embfuse.optim rule) the batches update their touched rows in the backward.
+    What was done, and what was left and why, is appended to `report`. Returns `gm`, recompiled."""
+    report = [] if report is None else report
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple, list[list[torch.fx.Node]]] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), torch.nn.EmbeddingBag):
+            continue
+        m = gm.get_submodule(node.target)
+        why = unbatchable(m)
+        weighted = _arg(node, 2, "per_sample_weights") is not None
+        if why is None and weighted and m.mode != "sum":
+            why = "per_sample_weights need mode='sum'"
+        if why is not None:
+            report.append(f"left {node.target}: {why}")
+            continue
+        runs = groups.setdefault((m.weight.dtype, m.weight.device, weighted), [[]])
+        if runs[-1] and not _joins(runs[-1], node, order):
+            runs.append([])
+        runs[-1].append(node)
+    count = sum(1 for n in gm.modules() if isinstance(n, LookupBatch))
+    for (_, _, weighted), runs in groups.items():
+        for run in runs:
+            _rewrite(gm, run, weighted, optimizer, f"embfuse_lookups_{count}", report)
+            count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _joins(run: list[torch.fx.Node], node: torch.fx.Node, order) -> bool:
+    """Whether `node` may join `run`: every input of it exists before any output of the run is used."""
+    first_use = min((order[u] for n in run for u in n.users), default=len(order))
+    return all(order[a] < first_use for a in node.all_input_nodes)
+
+
+def _rewrite(gm, run, weighted, optimizer, name, report) -> None:
+    graph = gm.graph
+    modules = [gm.get_submodule(n.target) for n in run]
+    names = [n.target for n in run]
+    batch = LookupBatch(names, modules, weighted, optimizer)
+    gm.add_submodule(name, batch)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_use = min((u for n in run for u in n.users), key=order.__getitem__, default=graph.output_node())
+    ids = tuple(_source(_arg(n, 0, "input")) for n in run)
+    offsets = tuple(_source(_arg(n, 1, "offsets")) for n in run)
+    weights = tuple(_source(_arg(n, 2, "per_sample_weights")) for n in run)
+    with graph.inserting_before(first_use):
+        out = graph.call_module(name, (ids, offsets, weights))
+    col = 0
+    slices = []
+    for node, m in zip(run, modules):
+        moves = [a for a in node.all_input_nodes if a.op == "call_method" and a.target in MOVES and len(a.users) == 1]
+        with graph.inserting_after(out):
+            piece = graph.call_function(torch.narrow, (out, 1, col, m.embedding_dim))
+        slices.append(piece)
+        col += m.embedding_dim
+        node.replace_all_uses_with(piece)
+        graph.erase_node(node)
+        for move in moves:
+            if not move.users:
+                graph.erase_node(move)
+    out.meta["embfuse_width"] = col  # the output's width, for the horizontal pass
+    for piece in reversed(slices):  # keep the slices in feature order after `out`
+        out.append(piece)
+    _whole_cat(graph, out, slices)
+    report.append(f"batched {len(run)} EmbeddingBag lookups into {name}: {', '.join(names)}")
+
+
+def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.Node]) -> None:
+    """`torch.cat(slices, 1)`, every slice in order, is `out` itself."""
+    for user in list(slices[0].users):
+        if user.op != "call_function" or user.target not in CATS:
+            continue
+        tensors = user.args[0] if user.args else user.kwargs.get("tensors")
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        if list(tensors) == slices and dim in (1, -1):
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+    for piece in slices:
+        if not piece.users:
+            graph.erase_node(piece)
+
+
+def table_views(gm: torch.fx.GraphModule) -> None:
+    """After the rewrite: the batched modules leave `gm` and a TableView takes each one's path."""
+    gm.delete_all_unused_submodules()
+    for batch in [m for m in gm.modules() if isinstance(m, LookupBatch)]:
+        for name in batch.names:
+            gm.add_submodule(name, TableView(batch, name))
+
+
+__all__ = ["LookupBatch", "TableView", "batch_lookups", "table_views", "unbatchable"]

@@ -1,0 +1,66 @@
+"""One host-to-device copy for many host tensors: they are written into one pinned host buffer
+(each part 16-byte aligned), the buffer crosses in one non-blocking copy, and each part comes
+back as a view of the device buffer (no copy, no kernel).
+
+The pinned buffer comes from torch's caching host allocator: a block is reused only after the
+copy that read it has finished (the allocator records an event at the copy), so nothing here
+waits for the GPU. Writing into pinned memory is the one host pass over the data that a
+pageable copy makes anyway (the driver stages pageable memory through pinned buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+ALIGN = 16  # bytes: every part starts where a 16-byte vector load may begin
+
+
+class Staging:
+    """A pinned host buffer laid out as `parts` [(dtype, numel), ...]: `host[i]` is part i's
+    1-D host view (write into it), `to(device)` copies the buffer over once and returns the
+    parts' device views in the same order."""
+
+    def __init__(self, parts: Sequence[tuple[torch.dtype, int]]):
+        self._layout, start = [], 0
+        for dtype, numel in parts:
+            start = -(-start // ALIGN) * ALIGN
+            size = numel * dtype.itemsize
+            self._layout.append((start, size, dtype))
+            start += size
+        self._buffer = torch.empty(start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.host = [self._view(self._buffer, *part) for part in self._layout]
+
+    @staticmethod
+    def _view(buffer: Tensor, start: int, size: int, dtype: torch.dtype) -> Tensor:
+        return buffer[start:start + size].view(dtype)
+
+    def to(self, device) -> list[Tensor]:
+        moved = self._buffer.to(device, non_blocking=True)
+        return [self._view(moved, *part) for part in self._layout]
+
+
+@torch.compiler.disable
+def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
+    """`tuple(t.to(device) for t in tensors)` with one copy for all the host tensors among them.
+    Tensors already on `device`, and host tensors that require grad (their copy must stay on
+    the autograd graph), go by `.to()` as before; the rest share one pinned staging copy."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return tuple(t.to(device) for t in tensors)
+    staged = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not t.requires_grad]
+    if len(staged) < 2:
+        return tuple(t.to(device) for t in tensors)
+    staging = Staging([(tensors[i].dtype, tensors[i].numel()) for i in staged])
+    for host, i in zip(staging.host, staged):
+        host.view(tensors[i].shape).copy_(tensors[i])
+    out = list(tensors)
+    for i in set(range(len(tensors))) - set(staged):
+        out[i] = tensors[i].to(device)
+    for moved, i in zip(staging.to(device), staged):
+        out[i] = moved.view(tensors[i].shape)
+    return tuple(out)

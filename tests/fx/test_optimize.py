@@ -1,0 +1,304 @@
+"""embfuse.fx.optimize and its passes against the eager model they rewrite: outputs and gradients
+within fp32 tolerance of torch's own (fresh random inputs), the state_dict's keys and shapes, the
+batched tables trained by a fused optimizer as torch.optim trains the eager ones, bad inputs
+named by feature, and clean refusals."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import embfuse
+import embfuse.fx
+from embfuse.bench.eager import EagerModel, eager_batch
+from embfuse.fx.passes import LookupBatch
+from embfuse.fx.passes.lookups import _on_device
+from embfuse.fx.staging import copy_to_device
+from tests.conftest import DEVICES
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 models (a collection stores fp32/fp16/bf16): the order of additions
+
+
+class Mixed(nn.Module):
+    """Mixed widths and poolings, weighted features (sum), a dense input moved on its own, and
+    per-feature chains straight after the lookups (no split)."""
+
+    def __init__(self, sizes, dims, modes, weighted, device):
+        super().__init__()
+        self.embs = nn.ModuleDict({f"f{k}": nn.EmbeddingBag(n, d, mode=m, device=device)
+                                   for k, (n, d, m) in enumerate(zip(sizes, dims, modes))})
+        self.weighted = weighted
+        self.dense = nn.Linear(3, 4, device=device)
+        self.top = nn.Linear(sum(dims) + 4, 1, device=device)
+
+    def forward(self, ids, offsets, weights, dense):
+        dev = self.top.weight.device
+        pooled = []
+        for k, emb in enumerate(self.embs.values()):
+            w = weights[k].to(dev) if self.weighted[k] else None
+            pooled.append(emb(ids[k].to(dev), offsets[k].to(dev), per_sample_weights=w))
+        x = torch.cat(pooled + [self.dense(dense.to(dev))], dim=1)
+        return self.top(torch.relu(x))
+
+
+def _inputs(sizes, B, L, g):
+    ids, offsets = eager_batch(sizes, B, L, g)
+    weights = [torch.rand(i.numel(), generator=g) + 0.5 for i in ids]
+    return ids, offsets, weights
+
+
+def _table_grads(model, fast):
+    """(eager, fast) gradient of every table, dense."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.EmbeddingBag):
+            batch = next(b for b in fast.modules() if isinstance(b, LookupBatch) and name in b.names)
+            flat = batch.collection.weights.grad
+            view = batch.collection.table_weights()[batch.names.index(name)]
+            g = flat.view(-1)[view.storage_offset() - batch.collection.weights.storage_offset():][:view.numel()]
+            out.append((m.weight.grad.to_dense() if m.weight.grad.is_sparse else m.weight.grad, g.view_as(view)))
+    return out
+
+
+def _check_grads(model, fast):
+    for (name, p) in model.named_parameters():
+        if "embs" not in name:
+            torch.testing.assert_close(fast.get_parameter(name).grad, p.grad, **TOL)
+    for eager, ours in _table_grads(model, fast):
+        torch.testing.assert_close(ours, eager, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [1, 5, 64])
+@pytest.mark.parametrize("mode,affine", [("mean", True), ("sum", False)])
+def test_eager_model(device, N, mode, affine):
+    g = torch.Generator().manual_seed(N)
+    sizes = [int(s) for s in torch.randint(5, 200, (N,), generator=g)]
+    model = EagerModel(sizes, 4, mode=mode, hidden=(8,), affine=affine, device=device)
+    ids, offsets = eager_batch(sizes, 6, 3, g)
+    fast = embfuse.fx.optimize(model, (ids, offsets))
+    assert any(r.startswith("batched") for r in fast.embfuse_report)
+    assert N == 1 or any(r.startswith("fused") for r in fast.embfuse_report), fast.embfuse_report
+    assert sum(isinstance(m, LookupBatch) for m in fast.modules()) == 1
+    expected, actual = model(ids, offsets), fast(ids, offsets)
+    torch.testing.assert_close(actual, expected, **TOL)
+    expected.square().sum().backward()
+    actual.square().sum().backward()
+    _check_grads(model, fast)
+    # same keys and shapes; the originals' tables reachable under their names
+    assert {k: v.shape for k, v in fast.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+    torch.testing.assert_close(fast.get_submodule("embs.0").weight, model.embs[0].weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_widths_weights_and_dense_copies(device):
+    g = torch.Generator().manual_seed(1)
+    sizes, dims = [30, 70, 20, 90], [3, 8, 5, 8]
+    modes, weighted = ["sum", "mean", "sum", "sum"], [True, False, False, True]
+    model = Mixed(sizes, dims, modes, weighted, device)
+    ids, offsets, weights = _inputs(sizes, 5, 4, g)
+    dense = torch.randn(5, 3, generator=g)
+    args = (ids, offsets, weights, dense)
+    fast = embfuse.fx.optimize(model, args)
+    batches = [m for m in fast.modules() if isinstance(m, LookupBatch)]
+    assert sorted(len(b.names) for b in batches) == [2, 2]  # weighted and unweighted features
+    expected, actual = model(*args), fast(*args)
+    torch.testing.assert_close(actual, expected, **TOL)
+    expected.sum().backward()
+    actual.sum().backward()
+    _check_grads(model, fast)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_with_a_fused_optimizer_matches_torch_optim(device):
+    g = torch.Generator().manual_seed(2)
+    sizes = [40, 60, 50]
+    model = EagerModel(sizes, 4, hidden=(8,), device=device)
+    ids, offsets = eager_batch(sizes, 6, 3, g)
+    fast = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.SGD(lr=0.1))
+    eager_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast_opt = torch.optim.SGD(fast.parameters(), lr=0.1)  # the tables' grads stay None: fused
+    for step in range(3):
+        ids, offsets = eager_batch(sizes, 6, 3, g)
+        for m, opt in ((model, eager_opt), (fast, fast_opt)):
+            opt.zero_grad()
+            m(ids, offsets).square().mean().backward()
+            opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[k], v, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_state_dict_of_the_eager_model(device):
+    sizes = [30, 40]
+    model = EagerModel(sizes, 4, hidden=(8,), device=device)
+    ids, offsets = eager_batch(sizes, 4, 2)
+    fast = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.Adagrad(lr=0.1))
+    other = EagerModel(sizes, 4, hidden=(8,), device=device)  # fresh weights
+    fast.load_state_dict(other.state_dict())  # strict: the optimizer state keeps its current value
+    torch.testing.assert_close(fast(ids, offsets), other(ids, offsets), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.get_submodule("embs.1").weight, other.embs[1].weight, rtol=0, atol=0)
+    # optimize copied the model: training the fast one leaves the original alone
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast(ids, offsets).sum().backward()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_ids_and_offsets_name_the_feature_and_change_nothing(device):
+    sizes = [30, 40, 50]
+    model = EagerModel(sizes, 4, hidden=(8,), device=device)
+    ids, offsets = eager_batch(sizes, 4, 3)
+    fast = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.Adam(lr=0.1))
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    bad = [i.clone() for i in ids]
+    bad[1][0] = 40
+    with pytest.raises(embfuse.BadIdError, match="embs.1"):
+        fast(bad, offsets).sum().backward()
+        embfuse.check_errors()
+    shifted = [o.clone() for o in offsets]
+    shifted[2][0] = 1
+    with pytest.raises(embfuse.BadBatchError, match="embs.2"):
+        fast(ids, shifted).sum().backward()
+        embfuse.check_errors()
+    after = fast.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if "embs" in k or "optimizer" in k)
+    fast(ids, offsets)  # still usable
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_offset_not_zero_on_the_device_path(device):
+    """Device inputs take the device route (no host read): a feature whose offsets[0] is not 0
+    gets global offsets the collection's check refuses, instead of pooling its neighbour's ids."""
+    sizes = [30, 40, 20]
+    ids, offsets = eager_batch(sizes, 4, 3)
+    ids, offsets = [i.to(device) for i in ids], [o.to(device) for o in offsets]
+    n = sum(i.numel() for i in ids)
+    for f, shift in ((1, 1), (2, -1), (0, 2)):
+        bad = list(offsets)
+        bad[f] = offsets[f] + shift
+        _, offs, _ = _on_device(ids, bad, None, 4, device)
+        offs = offs.cpu()
+        assert offs[0] != 0 or (offs[1:] < offs[:-1]).any() or offs[-1] != n
+    _, offs, _ = _on_device(ids, offsets, None, 4, device)
+    assert torch.equal(offs.cpu(), torch.cat([o.cpu() + sum(i.numel() for i in ids[:k]) for k, o in enumerate(offsets)]
+                                             + [torch.tensor([n])]))
+    if device == "cuda":
+        model = EagerModel(sizes, 4, hidden=(8,), device=device)
+        batch = LookupBatch(["a", "b", "c"], list(model.embs), False)
+        bad = list(offsets)
+        bad[1] = offsets[1] + 1
+        with pytest.raises(embfuse.BadBatchError):
+            batch(tuple(ids), tuple(bad), (None,) * 3)
+            embfuse.check_errors()
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4)
+
+    def forward(self, ids, offsets):
+        x = self.emb(ids, offsets)
+        return x * 2 if x.sum() > 0 else x
+
+
+class MaxPooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(10, 4, mode="max")
+        self.b = nn.EmbeddingBag(10, 4)
+
+    def forward(self, ids, offsets):
+        return torch.cat([self.a(ids, offsets), self.b(ids, offsets)], 1)
+
+
+def test_refusals_are_clean():
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    model = Branchy()
+    with pytest.warns(UserWarning, match="returned unchanged: TraceError"):
+        assert embfuse.fx.optimize(model) is model
+    dense = nn.Sequential(nn.Linear(3, 3))
+    with pytest.warns(UserWarning, match="nothing to rewrite"):
+        assert embfuse.fx.optimize(dense) is dense
+    model = MaxPooled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = embfuse.fx.optimize(model)
+    assert "left a: mode='max' is not batched" in " ".join(fast.embfuse_report)
+    torch.testing.assert_close(fast(ids, offsets), model(ids, offsets))
+    with pytest.raises(ValueError, match="unknown passes"):
+        embfuse.fx.optimize(model, passes=["nope"])
+
+
+class Chains(nn.Module):
+    """split -> chain -> cat with functional ops, a GELU module and an unmatched chain."""
+
+    def __init__(self, N, D, same=True):
+        super().__init__()
+        self.N, self.D, self.same = N, D, same
+        self.w = nn.ParameterList(nn.Parameter(torch.rand(D) + 0.5) for _ in range(N))
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        parts = x.split(self.D, dim=1)
+        outs = [self.act(F.layer_norm(p, (self.D,), self.w[k], None, 1e-3)).sigmoid() for k, p in enumerate(parts)]
+        if not self.same:
+            outs[-1] = torch.relu(parts[-1])
+        return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_horizontal_fusion_alone(same):
+    model = Chains(5, 3, same)
+    x = torch.randn(7, 15, requires_grad=True)
+    gm = embfuse.fx.passes.fuse_horizontal(embfuse.fx.trace_model(model, (x,)))
+    fused = any(n.target is embfuse.fx.passes.horizontal.as_blocks for n in gm.graph.nodes)
+    assert fused == same
+    expected, actual = model(x), gm(x)
+    torch.testing.assert_close(actual, expected, **TOL)
+    (ge,) = torch.autograd.grad(expected.sum(), x)
+    (ga,) = torch.autograd.grad(actual.sum(), x)
+    torch.testing.assert_close(ga, ge, **TOL)
+    with pytest.raises(ValueError, match="fused chains expect"):
+        if same:
+            gm(torch.randn(7, 14))
+        else:
+            raise ValueError("fused chains expect (nothing was fused)")
+
+
+def test_copy_to_device_keeps_every_tensor():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    parts = [torch.arange(5), torch.rand(2, 3), torch.tensor([True, False]), torch.empty(0, dtype=torch.int32),
+             torch.rand(3, requires_grad=True)]
+    moved = copy_to_device(parts, dev)
+    for a, b in zip(parts, moved):
+        assert b.device.type == dev and b.dtype == a.dtype and b.shape == a.shape
+        torch.testing.assert_close(b.cpu(), a.detach())
+    assert moved[-1].requires_grad
+
+
+@pytest.mark.gpu
+def test_one_copy_and_no_sync_on_the_gpu():
+    """The optimized eager model on the GPU: host inputs cross in two copies (the batch's, the
+    rest's), and a forward plus a fused training step run under sync-debug "error"."""
+    sizes = [100] * 8
+    model = Mixed(sizes, [4] * 8, ["sum"] * 8, [False] * 8, "cuda")
+    g = torch.Generator().manual_seed(3)
+    ids, offsets, weights = _inputs(sizes, 16, 4, g)
+    args = (ids, offsets, weights, torch.randn(16, 3))
+    fast = embfuse.fx.optimize(model, args, optimizer=embfuse.optim.SGD(lr=0.1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fast(*args)
+        torch.cuda.synchronize()
+    copies = [e for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert len(copies) <= 2, [e.name for e in copies]
+    torch.testing.assert_close(fast(*args), model(*args), **TOL)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast(*args).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    embfuse.check_errors()
