@@ -134,8 +134,13 @@ def bench(args: argparse.Namespace) -> int:
     if args.distributed:
         return bench_distributed(args, console)
     if not torch.cuda.is_available():
+        if args.fx:
+            console.print("embfuse bench --fx times a model on a GPU and needs a CUDA device; none was found.")
+            return 2
         console.print("embfuse bench measures GPU kernels and needs a CUDA device; none was found.")
         return 2
+    if args.fx:
+        return bench_fx(args, console)
     selected = [w for w in workloads(quick=args.quick) if not args.group or w.group in args.group]
     out = Path(args.out)
     with Progress(console=console) as progress:
@@ -149,6 +154,17 @@ def bench(args: argparse.Namespace) -> int:
     (out / "bench.md").write_text(markdown(result) + "\n")
     plot(result, out / "bench.png")
     console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
+    return 0
+
+
+def bench_fx(args: argparse.Namespace, console) -> int:
+    """The eager seed-like model against torch.compile and embfuse.fx.optimize (bench/graph.py)."""
+    from embfuse.bench.graph import VARIANTS, markdown, measure, write
+
+    with console.status("measuring") as status:
+        result = measure(variants=args.fx_variants or VARIANTS, progress=lambda what: status.update(what))
+    console.print(markdown(result))
+    console.print(f"wrote {write(result, Path(args.out))}")
     return 0
 
 
@@ -215,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="implementations to measure")
     p.add_argument("--group", nargs="+", help="only these workload groups (grid, csr, half, modes, embedding, "
                    "dlrm, latency)")
+    p.add_argument("--fx", action="store_true", help="an eager seed-like model as written, under torch.compile "
+                   "and under embfuse.fx.optimize (forward and training step, kernels and copies per call)")
+    p.add_argument("--fx-variants", nargs="+", default=None, help="--fx: only these of " + ", ".join(
+                   "'" + v + "'" for v in ("eager", "compile", "compile + batch fusions", "optimize",
+                                            "optimize + compile")))
     p.add_argument("--distributed", action="store_true",
                    help="the sharded training step on every rank: run under torchrun --nproc_per_node=N "
                    "--no-python embfuse bench --distributed (alone: a world of one)")

@@ -302,3 +302,18 @@ def test_one_copy_and_no_sync_on_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     embfuse.check_errors()
+
+
+def test_compiled_training_equals_eager_optimize():
+    """torch.compile of an optimized model: the dense part compiles, the batched lookup (and its
+    fused update) runs eagerly between the compiled regions; training gives the same tables."""
+    sizes = [30, 40]
+    model = EagerModel(sizes, 4, hidden=(8,))
+    ids, offsets = eager_batch(sizes, 4, 2)
+    plain = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.SGD(lr=0.1))
+    compiled = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.SGD(lr=0.1))
+    run = torch.compile(compiled)
+    for _ in range(2):
+        plain(ids, offsets).sum().backward()
+        run(ids, offsets).sum().backward()
+    torch.testing.assert_close(compiled.get_submodule("embs.1").weight, plain.get_submodule("embs.1").weight, **TOL)

@@ -96,7 +96,8 @@ class LookupBatch(torch.nn.Module):
         self.register_state_dict_post_hook(_drop_tables)
         self.register_load_state_dict_pre_hook(_keep_missing)
 
-    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:
+    @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
+    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
         device = self.collection.weights.device
         B = _batch_size(self.names, ids, offsets)
         parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]

@@ -1,0 +1,192 @@
+"""`embfuse bench --fx`: an eager seed-like model (bench/eager.py: 64 features, one
+nn.EmbeddingBag(sparse=True) each, tables of 1K-1M rows x 64, mean pooling, B 4096, mean bag
+length 20, split -> LayerNorm -> tanh -> cat, MLP 512-256-1), inputs starting on the host, run
+five ways in one process:
+
+- eager: the model as written, torch.optim.SGD over every parameter (sparse table gradients);
+- compile: `torch.compile(model)`;
+- compile + batch fusions: the same with Inductor's pre-grad batch fusions on;
+- optimize: `embfuse.fx.optimize(model, optimizer=embfuse.optim.SGD)` + torch.optim.SGD on the rest;
+- optimize + compile: that, compiled.
+
+Per variant: the forward (no_grad) and the training step (forward, BCE loss, backward, update),
+milliseconds per call (median of alternating rounds, synchronised), and per call the CUDA
+kernels launched and the host-to-device copies (torch.profiler). The floor of the forward: the
+batch's id and offset bytes over the pinned host-to-device bandwidth, plus the lookup's roofline
+(distinct rows + pooled output + ids over the device copy bandwidth), both measured in this run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import embfuse
+import embfuse.fx
+from embfuse.bench.eager import EagerModel, eager_batch
+from embfuse.bench.runner import copy_bandwidth, metadata
+
+VARIANTS = ("eager", "compile", "compile + batch fusions", "optimize", "optimize + compile")
+BATCH_FUSIONS = {name: {} for name in ("batch_layernorm", "batch_tanh", "batch_relu", "batch_sigmoid",
+                                        "batch_linear")}
+
+
+def table_sizes(features: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Log-uniform table sizes in [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(features, generator=g, dtype=torch.float64)
+    return [int(round(math.exp(math.log(lo) + float(x) * (math.log(hi) - math.log(lo))))) for x in u]
+
+
+class _Variant:
+    """A model, its optimizer, and its own forward / step callables."""
+
+    def __init__(self, name: str, base: EagerModel, example, lr: float):
+        self.fusions = name == "compile + batch fusions"
+        model = copy.deepcopy(base)
+        if name.startswith("optimize"):
+            model = embfuse.fx.optimize(model, example, optimizer=embfuse.optim.SGD(lr=lr))
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.name, self.model = name, model
+        self.call = model
+        if "compile" in name:
+            self.call = torch.compile(model)
+
+    def _options(self):
+        """Inductor's batch fusions, for the variant that asks for them (read when it compiles)."""
+        if not self.fusions:
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor
+
+        return inductor.patch(pre_grad_fusion_options=BATCH_FUSIONS)
+
+    def forward(self, batch):
+        with torch.no_grad(), self._options():
+            return self.call(*batch[:2])
+
+    def step(self, batch):
+        with self._options():
+            self.opt.zero_grad(set_to_none=True)
+            loss = F.binary_cross_entropy_with_logits(self.call(*batch[:2]), batch[2])
+            loss.backward()
+            self.opt.step()
+
+
+def _time(fn, batches, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def _profile(fn, batch) -> dict:
+    """Kernels and host-to-device copies of one call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(batch)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in events if "HtoD" in e.name]
+    kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+    return {"kernels": len(kernels), "h2d_copies": len(copies)}
+
+
+def _pinned_h2d(nbytes: int, device) -> float:
+    """Bytes per second of one pinned host-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: int = 20, rows=(1_000, 1_000_000),
+            rounds: int = 5, calls: int = 10, variants=VARIANTS, progress=None) -> dict:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    sizes = table_sizes(features, *rows)
+    base = EagerModel(sizes, dim, mode="mean", device=device)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids, offsets = eager_batch(sizes, batch, mean_length, g)
+        batches.append((ids, offsets, torch.rand(batch, 1, generator=g).round().to(device)))
+    lr = 0.01
+    built = {name: _Variant(name, base, batches[0][:2], lr) for name in variants}
+    rows_out = {name: {"variant": name} for name in variants}
+    for kind in ("forward", "step"):
+        for name, v in list(built.items()):  # warm-up: compiles, caches, clocks
+            if progress is not None:
+                progress(f"warming up: {name}, {kind}")
+            try:
+                for i in range(3):
+                    getattr(v, kind)(batches[i % len(batches)])
+            except Exception as e:  # a variant that does not run is reported, not fatal
+                rows_out[name]["error"] = f"{kind}: {type(e).__name__}: {str(e)[:300]}"
+                del built[name]
+        samples = {name: [] for name in built}
+        for _ in range(rounds):
+            for name, v in built.items():
+                samples[name].append(_time(getattr(v, kind), batches, calls))
+        for name, v in built.items():
+            rows_out[name][f"{kind}_ms"] = 1e3 * statistics.median(samples[name])
+            prof = _profile(getattr(v, kind), batches[0])
+            rows_out[name][f"{kind}_kernels"] = prof["kernels"]
+            rows_out[name][f"{kind}_h2d_copies"] = prof["h2d_copies"]
+    bandwidth = copy_bandwidth(device)
+    ids, offsets = batches[0][:2]
+    index_bytes = sum(i.numel() * i.element_size() + o.numel() * o.element_size() for i, o in zip(ids, offsets))
+    h2d = _pinned_h2d(index_bytes, device)
+    distinct = sum(int(torch.unique(i).numel()) for i in ids)
+    lookup_bytes = distinct * dim * 4 + batch * features * dim * 4 + index_bytes
+    floor = {"index_bytes": index_bytes, "pinned_h2d_GBps": h2d / 1e9, "h2d_ms": 1e3 * index_bytes / h2d,
+             "distinct_rows": distinct, "lookup_roofline_ms": 1e3 * lookup_bytes / bandwidth}
+    floor["forward_floor_ms"] = floor["h2d_ms"] + floor["lookup_roofline_ms"]
+    return {"meta": metadata(device, bandwidth),
+            "model": {"features": features, "dim": dim, "batch": batch, "mean_length": mean_length,
+                      "rows": list(rows), "table_rows_total": sum(sizes)},
+            "floor": floor, "rows": [rows_out[n] for n in variants]}
+
+
+def markdown(result: dict) -> str:
+    m, f = result["meta"], result["floor"]
+    eager = next(r for r in result["rows"] if r["variant"] == "eager")
+    lines = [f"Seed-like eager model on {m['gpu']} (torch {m['torch']}, triton {m['triton']}, commit {m['commit']}, "
+             f"{m['date']}): {result['model']}",
+             "",
+             "| variant | forward ms | vs eager | kernels | H2D copies | step ms | vs eager | kernels | H2D copies |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "step_ms" not in r:
+            lines.append(f"| {r['variant']} | failed: {r.get('error')} |")
+            continue
+        lines.append(f"| {r['variant']} | {r['forward_ms']:.2f} | {eager['forward_ms'] / r['forward_ms']:.2f}x | "
+                     f"{r['forward_kernels']} | {r['forward_h2d_copies']} | {r['step_ms']:.2f} | "
+                     f"{eager['step_ms'] / r['step_ms']:.2f}x | {r['step_kernels']} | {r['step_h2d_copies']} |")
+    lines += ["", f"Forward floor: {f['forward_floor_ms']:.2f} ms = ids and offsets ({f['index_bytes'] / 1e6:.1f} MB) "
+                  f"over the pinned host-to-device bandwidth ({f['pinned_h2d_GBps']:.1f} GB/s): {f['h2d_ms']:.2f} ms, "
+                  f"+ the lookup's roofline ({f['distinct_rows']} distinct rows): {f['lookup_roofline_ms']:.2f} ms."]
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-fx.json").write_text(json.dumps(result, indent=1))
+    (out / "bench-fx.md").write_text(markdown(result) + "\n")
+    return out / "bench-fx.md"
