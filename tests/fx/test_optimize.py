@@ -290,6 +290,8 @@ def test_one_copy_and_no_sync_on_the_gpu():
     ids, offsets, weights = _inputs(sizes, 16, 4, g)
     args = (ids, offsets, weights, torch.randn(16, 3))
     fast = embfuse.fx.optimize(model, args, optimizer=embfuse.optim.SGD(lr=0.1))
+    fast(*args)  # first call: the collection's plan moves to the device once
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fast(*args)
         torch.cuda.synchronize()
@@ -317,3 +319,13 @@ def test_compiled_training_equals_eager_optimize():
         plain(ids, offsets).sum().backward()
         run(ids, offsets).sum().backward()
     torch.testing.assert_close(compiled.get_submodule("embs.1").weight, plain.get_submodule("embs.1").weight, **TOL)
+
+
+def test_copy_all_spreads_large_copies_over_threads():
+    from embfuse.fx.staging import copy_all
+
+    srcs = [torch.randint(0, 1 << 40, (n,)) for n in (300_000, 1, 0, 250_000, 70_000)]
+    dst = torch.empty(sum(s.numel() for s in srcs), dtype=torch.int64)
+    starts = torch.tensor([0] + [s.numel() for s in srcs]).cumsum(0).tolist()
+    copy_all([(dst[a:b], s) for a, b, s in zip(starts, starts[1:], srcs)])
+    assert torch.equal(dst, torch.cat(srcs))

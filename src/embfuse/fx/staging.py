@@ -10,12 +10,48 @@ pageable copy makes anyway (the driver stages pageable memory through pinned buf
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 ALIGN = 16  # bytes: every part starts where a 16-byte vector load may begin
+PARALLEL_BYTES = 1 << 22  # below this a copy is not worth a thread hand-off
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def copy_all(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """`dst.copy_(src)` for every (dst, src) host pair, spread over a few threads when there is
+    enough to copy: one thread copies into pinned memory at about 7 GB/s (an H100 host), several
+    reach the memory's bandwidth (copy_ releases the GIL)."""
+    total = sum(src.numel() * src.element_size() for _, src in pairs)
+    workers = min(8, os.cpu_count() or 1)
+    if total < PARALLEL_BYTES or workers < 2 or len(pairs) < 2:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="embfuse-staging"))
+    # contiguous runs of pairs of about equal bytes, one a worker
+    share, runs, run, size = total / workers, [], [], 0
+    for pair in pairs:
+        run.append(pair)
+        size += pair[1].numel() * pair[1].element_size()
+        if size >= share:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+
+    def copy_run(run):
+        with torch.autograd.grad_mode.no_grad():
+            for dst, src in run:
+                dst.copy_(src)
+
+    for done in [_POOL[0].submit(copy_run, r) for r in runs]:
+        done.result()
 
 
 class Staging:
@@ -56,8 +92,7 @@ def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
     if len(staged) < 2:
         return tuple(t.to(device) for t in tensors)
     staging = Staging([(tensors[i].dtype, tensors[i].numel()) for i in staged])
-    for host, i in zip(staging.host, staged):
-        host.view(tensors[i].shape).copy_(tensors[i])
+    copy_all([(host.view(tensors[i].shape), tensors[i]) for host, i in zip(staging.host, staged)])
     out = list(tensors)
     for i in set(range(len(tensors))) - set(staged):
         out[i] = tensors[i].to(device)

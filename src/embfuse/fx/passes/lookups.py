@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from embfuse.fx.staging import Staging
+from embfuse.fx.staging import Staging, copy_all
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig
 from embfuse.ops.errors import BadBatchError
 from embfuse.sparse.jagged import KeyedJaggedTensor
@@ -163,14 +163,14 @@ def _stage(names, ids, offsets, weights, B, device):
         parts.append((weights[0].dtype, bases[-1]))
     staging = Staging(parts)
     values, offs = staging.host[0], staging.host[1]
-    torch.cat([i.reshape(-1).to(dtype) for i in ids], out=values)
+    copy_all([(values[a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)])  # (copy_ casts)
     grid = offs[:N * B].view(N, B)
     torch.stack([_local_offsets(i, o, dtype) for i, o in zip(ids, offsets)], out=grid)
     _check_offsets(names, grid, bases)
     grid += torch.tensor(bases[:-1], dtype=dtype).view(N, 1)
     offs[-1] = bases[-1]
     if weights is not None:
-        torch.cat([w.to(parts[2][0]) for w in weights], out=staging.host[2])
+        copy_all([(staging.host[2][a:b], w) for a, b, w in zip(bases, bases[1:], weights)])
     moved = staging.to(device)
     return moved[0], moved[1], moved[2] if weights is not None else None
 
