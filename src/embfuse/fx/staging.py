@@ -80,7 +80,8 @@ class Staging:
 
 @torch.compiler.disable
 def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
-    """`tuple(t.to(device) for t in tensors)` with one copy for all the host tensors among them.
+    """`tuple(t.to(device) for t in tensors)` with one copy for all the host tensors among them
+    (from pinned memory: the host does not wait for the GPU, as it does for a pageable copy).
     Tensors already on `device`, and host tensors that require grad (their copy must stay on
     the autograd graph), go by `.to()` as before; the rest share one pinned staging copy."""
     device = torch.device(device)
@@ -89,7 +90,7 @@ def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
     if device.type == "cpu":
         return tuple(t.to(device) for t in tensors)
     staged = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not t.requires_grad]
-    if len(staged) < 2:
+    if not staged:
         return tuple(t.to(device) for t in tensors)
     staging = Staging([(tensors[i].dtype, tensors[i].numel()) for i in staged])
     copy_all([(host.view(tensors[i].shape), tensors[i]) for host, i in zip(staging.host, staged)])

@@ -1,5 +1,5 @@
 """Combine input copies: the `x.to(device)` / `x.cuda()` calls of one forward become one
-`copy_to_device` call (fx/staging.py: one pinned buffer, one non-blocking copy, device views).
+`copy_to_device` call (a single move too: from pinned memory the host need not wait for the GPU) (fx/staging.py: one pinned buffer, one non-blocking copy, device views).
 
 A move joins when its target is a device the pass can see: a constant ("cuda", torch.device) or
 `tensor.device`. Moves to the same device whose inputs all exist before the first of them
@@ -58,8 +58,6 @@ def combine_copies(gm: torch.fx.GraphModule, report: list[str] | None = None) ->
         runs[-1].append(node)
     for runs in groups.values():
         for run in runs:
-            if len(run) < 2:
-                continue
             with graph.inserting_before(run[0]):
                 both = graph.call_function(copy_to_device, (tuple(n.args[0] for n in run), _device_arg(run[0])))
             for j, node in enumerate(run):
@@ -67,7 +65,8 @@ def combine_copies(gm: torch.fx.GraphModule, report: list[str] | None = None) ->
                     part = graph.call_function(operator.getitem, (both, j))
                 node.replace_all_uses_with(part)
                 graph.erase_node(node)
-            report.append(f"combined {len(run)} host-to-device copies into one")
+            report.append(f"combined {len(run)} host-to-device copies into one" if len(run) > 1 else
+                          "moved 1 host tensor through pinned memory (no wait for the GPU)")
     graph.lint()
     gm.recompile()
     return gm
