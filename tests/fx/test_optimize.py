@@ -13,7 +13,7 @@ from torch import nn
 import embfuse
 import embfuse.fx
 from embfuse.bench.eager import EagerModel, eager_batch
-from embfuse.fx.passes import LookupBatch
+from embfuse.fx.passes import LookupBatch, RowView
 from embfuse.fx.passes.lookups import _on_device
 from embfuse.fx.staging import copy_to_device
 from tests.conftest import DEVICES
@@ -62,10 +62,21 @@ def _table_grads(model, fast):
     return out
 
 
+def _grad(fast, name):
+    """The gradient of the original parameter `name` in `fast`: its own, or its row of a FusedChain's stack."""
+    try:
+        return fast.get_parameter(name).grad
+    except AttributeError:
+        path, _, attr = name.rpartition(".")
+        view = fast.get_submodule(path)
+        assert isinstance(view, RowView), name
+        return getattr(view._owner[0], f"{attr}_{view._op}").grad[view._index]
+
+
 def _check_grads(model, fast):
     for (name, p) in model.named_parameters():
         if "embs" not in name:
-            torch.testing.assert_close(fast.get_parameter(name).grad, p.grad, **TOL)
+            torch.testing.assert_close(_grad(fast, name), p.grad, **TOL)
     for eager, ours in _table_grads(model, fast):
         torch.testing.assert_close(ours, eager, **TOL)
 
@@ -90,6 +101,8 @@ def test_eager_model(device, N, mode, affine):
     # same keys and shapes; the originals' tables reachable under their names
     assert {k: v.shape for k, v in fast.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
     torch.testing.assert_close(fast.get_submodule("embs.0").weight, model.embs[0].weight)
+    if affine and N > 1:
+        torch.testing.assert_close(fast.get_submodule(f"norms.{N - 1}").bias, model.norms[N - 1].bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)

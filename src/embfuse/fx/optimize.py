@@ -27,7 +27,8 @@ from torch.utils import _pytree as pytree
 
 from embfuse.fx.passes.copies import combine_copies
 from embfuse.fx.passes.horizontal import fuse_horizontal
-from embfuse.fx.passes.lookups import LookupBatch, TableView, batch_lookups, table_views
+from embfuse.fx.passes.lookups import batch_lookups
+from embfuse.fx.views import restore_names
 
 PASSES = ("lookups", "horizontal", "copies")
 
@@ -165,7 +166,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence | None = None, *, 
                       f"returned unchanged", stacklevel=2)
         return model
     _own(gm)
-    table_views(gm)
+    restore_names(gm)
     gm.embfuse_report = report
     return gm
 
@@ -179,7 +180,7 @@ def _own(module: torch.nn.Module, memo: dict | None = None) -> None:
             if t is not None:
                 store[name] = copy.deepcopy(t, memo)
     for name, child in list(module.named_children()):
-        if isinstance(child, (LookupBatch, TableView)):
+        if hasattr(child, "embfuse_views"):  # made by a pass: already its own
             continue
         if type(child) is torch.nn.Module:
             _own(child, memo)

@@ -19,6 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from embfuse.fx.passes.lookups import CATS
+from embfuse.fx.views import RowView, drop_own_keys, keep_own_keys
 
 ACTIVATIONS = {
     torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu",
@@ -42,9 +43,7 @@ def _op(gm: torch.fx.GraphModule, node: torch.fx.Node, D: int):
         if type(m) is torch.nn.GELU:
             return "gelu", (m.approximate,), ()
         if type(m) is torch.nn.LayerNorm and tuple(m.normalized_shape) == (D,):
-            return "layer_norm", (m.eps, m.weight is not None, m.bias is not None), (
-                f"{node.target}.weight" if m.weight is not None else None,
-                f"{node.target}.bias" if m.bias is not None else None)
+            return "layer_norm", (m.eps, m.weight is not None, m.bias is not None), node.target
         return None
     if node.op == "call_method" and node.target in APPLY and len(node.args) == 1 and not node.kwargs:
         return node.target, (), ()
@@ -111,6 +110,47 @@ def as_blocks(x: torch.Tensor, N: int, D: int) -> torch.Tensor:
     return x.reshape(x.shape[0], N, D)
 
 
+def _own_parameters(module: torch.nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters(recurse=False)]
+
+
+class FusedChain(torch.nn.Module):
+    """N features' chains as one: forward(x (B, N * D)) applies `ops` to x viewed as (B, N, D).
+    A LayerNorm op k owns `weight_k` / `bias_k` (N, D): its N modules' affines stacked (copies);
+    RowViews at the modules' paths show their rows under the original names and keys."""
+
+    def __init__(self, N: int, D: int, ops, norms: dict[int, list[str]], root: torch.nn.Module):
+        super().__init__()
+        self.N, self.D, self.ops, self.norms = N, D, list(ops), dict(norms)
+        for k, paths in self.norms.items():
+            modules = [root.get_submodule(p) for p in paths]
+            for kind in ("weight", "bias"):
+                if getattr(modules[0], kind) is not None:
+                    stacked = torch.stack([getattr(m, kind).detach() for m in modules]).clone()
+                    self.register_parameter(f"{kind}_{k}", torch.nn.Parameter(stacked))
+        self.register_state_dict_post_hook(drop_own_keys(_own_parameters))
+        self.register_load_state_dict_pre_hook(keep_own_keys(_own_parameters))
+
+    def embfuse_views(self):
+        return [(path, RowView(self, k, i)) for k, paths in self.norms.items() for i, path in enumerate(paths)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = as_blocks(x, self.N, self.D)
+        for k, (kind, settings) in enumerate(self.ops):
+            if kind == "layer_norm":
+                y = F.layer_norm(y, (self.D,), None, None, settings[0])
+                weight, bias = getattr(self, f"weight_{k}", None), getattr(self, f"bias_{k}", None)
+                if weight is not None:
+                    y = torch.addcmul(bias, y, weight) if bias is not None else y * weight
+                elif bias is not None:
+                    y = y + bias
+            elif kind == "gelu":
+                y = F.gelu(y, approximate=settings[0])
+            else:
+                y = APPLY[kind](y)
+        return y.flatten(1)
+
+
 def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -> torch.fx.GraphModule:
     """Rewrite every matching cat-of-chains in `gm` (module docstring). Returns `gm`, recompiled."""
     report = [] if report is None else report
@@ -132,12 +172,21 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
         if len(kinds) != 1 or not chains[0][1] or blocks is None or blocks[1] != D:
             continue
         x, N = blocks[0], len(tensors)
+        ops = [(kind, settings) for kind, settings, _ in chains[0][1]]
+        sources = [[c[1][k][2] for c in chains] for k in range(len(ops))]
         with graph.inserting_before(cat):
-            y = graph.call_function(as_blocks, (x, N, D))
-            for k, (kind, settings, _) in enumerate(chains[0][1]):
-                params = [c[1][k][2] for c in chains]
-                y = _apply(graph, y, kind, settings, params, D)
-            out = graph.call_function(torch.flatten, (y, 1))
+            if all(isinstance(p[0], str) for (kind, _), p in zip(ops, sources) if kind == "layer_norm"):
+                # LayerNorm modules only: one module owns the stacked affines (fewer launches and
+                # gradient accumulations than a stack of the originals at every call)
+                name = f"embfuse_chain_{sum(isinstance(m, FusedChain) for m in gm.modules())}"
+                gm.add_submodule(name, FusedChain(N, D, ops, {k: p for k, ((kind, _), p) in enumerate(zip(ops, sources))
+                                                              if kind == "layer_norm"}, gm))
+                out = graph.call_module(name, (x,))
+            else:
+                y = graph.call_function(as_blocks, (x, N, D))
+                for (kind, settings), params in zip(ops, sources):
+                    y = _apply(graph, y, kind, settings, params, D)
+                out = graph.call_function(torch.flatten, (y, 1))
         cat.replace_all_uses_with(out)
         dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
         for node in dead:
@@ -185,6 +234,7 @@ def _apply(graph: torch.fx.Graph, y, kind: str, settings, params, D: int):
             return graph.call_function(F.gelu, (y,), {"approximate": settings[0]})
         return graph.call_function(APPLY[kind], (y,))
     eps, has_weight, has_bias = settings
+    params = [(f"{p}.weight", f"{p}.bias") if isinstance(p, str) else p for p in params]  # (a module's path)
     y = graph.call_function(F.layer_norm, (y, (D,), None, None, eps))
     weight = graph.call_function(torch.stack, ([graph.get_attr(w) for w, _ in params],)) if has_weight else None
     bias = graph.call_function(torch.stack, ([graph.get_attr(b) for _, b in params],)) if has_bias else None

@@ -20,6 +20,7 @@ import torch.fx
 from torch import Tensor
 
 from embfuse.fx.staging import Staging, copy_all
+from embfuse.fx.views import TableView
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig
 from embfuse.ops.errors import BadBatchError
 from embfuse.sparse.jagged import KeyedJaggedTensor
@@ -40,37 +41,6 @@ def unbatchable(m: torch.nn.Module) -> str | None:
     if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"a {m.weight.dtype} table is not batched"
     return None
-
-
-class TableView(torch.nn.Module):
-    """Where a batched nn.EmbeddingBag was: `weight` is its table, a view of the collection's flat
-    buffer, and the state_dict keeps the original key (`<path>.weight`)."""
-
-    def __init__(self, batch: "LookupBatch", name: str):
-        super().__init__()
-        self._batch = [batch]  # a list: not a submodule (the batch is registered once, elsewhere)
-        self._name = name
-
-    @property
-    def weight(self) -> Tensor:
-        return self._batch[0].collection.embedding_weight(self._name)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        w = self.weight
-        destination[prefix + "weight"] = w if keep_vars else w.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        key = prefix + "weight"
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        value, w = state_dict[key], self.weight
-        if tuple(value.shape) != tuple(w.shape):
-            error_msgs.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(w.shape)} here")
-            return
-        with torch.no_grad():
-            w.copy_(value)
 
 
 class LookupBatch(torch.nn.Module):
@@ -96,12 +66,15 @@ class LookupBatch(torch.nn.Module):
         self.register_state_dict_post_hook(_drop_tables)
         self.register_load_state_dict_pre_hook(_keep_missing)
 
+    def embfuse_views(self):
+        return [(name, TableView(self, name)) for name in self.names]
+
     @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
     def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
         device = self.collection.weights.device
         B = _batch_size(self.names, ids, offsets)
         parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
-        if all(t.device.type == "cpu" for t in parts):
+        if all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts):
             values, offs, psw = _stage(self.names, ids, offsets, weights if self.weighted else None, B, device)
         else:
             values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
@@ -163,14 +136,18 @@ def _stage(names, ids, offsets, weights, B, device):
         parts.append((weights[0].dtype, bases[-1]))
     staging = Staging(parts)
     values, offs = staging.host[0], staging.host[1]
-    copy_all([(values[a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)])  # (copy_ casts)
-    grid = offs[:N * B].view(N, B)
-    torch.stack([_local_offsets(i, o, dtype) for i, o in zip(ids, offsets)], out=grid)
-    _check_offsets(names, grid, bases)
-    grid += torch.tensor(bases[:-1], dtype=dtype).view(N, 1)
-    offs[-1] = bases[-1]
+    pairs = [(values[a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)]  # (copy_ casts)
     if weights is not None:
-        copy_all([(staging.host[2][a:b], w) for a, b, w in zip(bases, bases[1:], weights)])
+        pairs += [(staging.host[2][a:b], w) for a, b, w in zip(bases, bases[1:], weights)]
+    grid = offs[:N * B].view(N, B)
+
+    def global_offsets():  # beside the copies of the ids
+        torch.stack([_local_offsets(i, o, dtype) for i, o in zip(ids, offsets)], out=grid)
+        _check_offsets(names, grid, bases)
+        grid.add_(torch.tensor(bases[:-1], dtype=dtype).view(N, 1))
+        offs[-1] = bases[-1]
+
+    copy_all(pairs, global_offsets)
     moved = staging.to(device)
     return moved[0], moved[1], moved[2] if weights is not None else None
 
@@ -315,12 +292,4 @@ def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.
             graph.erase_node(piece)
 
 
-def table_views(gm: torch.fx.GraphModule) -> None:
-    """After the rewrite: the batched modules leave `gm` and a TableView takes each one's path."""
-    gm.delete_all_unused_submodules()
-    for batch in [m for m in gm.modules() if isinstance(m, LookupBatch)]:
-        for name in batch.names:
-            gm.add_submodule(name, TableView(batch, name))
-
-
-__all__ = ["LookupBatch", "TableView", "batch_lookups", "table_views", "unbatchable"]
+__all__ = ["LookupBatch", "batch_lookups", "unbatchable"]

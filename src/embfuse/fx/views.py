@@ -1,0 +1,114 @@
+"""Where a rewritten module was, a view that keeps its name: the original's tensors are now
+slices of a combined one (a collection's flat table, a (N, D) stack of LayerNorm affines), and
+a view module at the original path shows them under the original attribute names, and saves
+and loads them under the original state_dict keys. The combined tensors are what train (they
+are the parameters); the views hold no parameters of their own."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch import Tensor
+
+
+class _View(torch.nn.Module):
+    """Subclasses say what the view shows: `_tensors()`, name -> a view of the owner's tensor.
+    The owner is held in a list, so that it is not registered twice (it is a module elsewhere)."""
+
+    def __init__(self, owner: torch.nn.Module):
+        super().__init__()
+        self._owner = [owner]
+
+    def _tensors(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, t in self._tensors().items():
+            destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, t in self._tensors().items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(t.shape):
+                error_msgs.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(t.shape)} here")
+                continue
+            with torch.no_grad():
+                t.copy_(value)
+
+
+class TableView(_View):
+    """A batched nn.EmbeddingBag: `weight` is its table in the LookupBatch's collection."""
+
+    def __init__(self, batch: torch.nn.Module, name: str):
+        super().__init__(batch)
+        self._name = name
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return {"weight": self.weight}
+
+    @property
+    def weight(self) -> Tensor:
+        return self._owner[0].collection.embedding_weight(self._name)
+
+
+class RowView(_View):
+    """A fused nn.LayerNorm: `weight` / `bias` are row `index` of the FusedChain's (N, D) stacks
+    `weight_<op>` / `bias_<op>` (None where the original had none)."""
+
+    def __init__(self, chain: torch.nn.Module, op: int, index: int):
+        super().__init__(chain)
+        self._op, self._index = op, index
+
+    def _row(self, kind: str):
+        stack = getattr(self._owner[0], f"{kind}_{self._op}", None)
+        return None if stack is None else stack[self._index]
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return {k: t for k in ("weight", "bias") if (t := self._row(k)) is not None}
+
+    @property
+    def weight(self):
+        return self._row("weight")
+
+    @property
+    def bias(self):
+        return self._row("bias")
+
+
+def drop_own_keys(names):
+    """A state_dict post-hook: the owner's combined tensors `names` leave its state_dict (the
+    views save them under the original keys)."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for name in names(module):
+            state_dict.pop(prefix + name, None)
+    return hook
+
+
+def keep_own_keys(names):
+    """The matching load pre-hook: the owner's keys absent from the checkpoint (all of them, in an
+    eager model's) keep their current values; the views then load the originals' keys. `names`
+    are parameters or buffers of the owner."""
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        current = dict(module.named_parameters())
+        current.update(dict(module.named_buffers()))
+        for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
+            state_dict.setdefault(key, value.detach())
+        for name in names(module):
+            state_dict[prefix + name] = current[name].detach()
+    return hook
+
+
+def restore_names(gm: torch.fx.GraphModule) -> None:
+    """After the passes: the modules they replaced leave `gm`, and each owner of combined tensors
+    (a module with `embfuse_views()`) puts its views at the original paths."""
+    gm.delete_all_unused_submodules()
+    for owner in [m for m in gm.modules() if hasattr(m, "embfuse_views")]:
+        for path, view in owner.embfuse_views():
+            gm.add_submodule(path, view)
