@@ -116,6 +116,66 @@ def _pinned_h2d(nbytes: int, device) -> float:
     return nbytes / statistics.median(times)
 
 
+def _host_copy(ids) -> float:
+    """Bytes per second of the host writing the batch's ids into pinned memory (the work a
+    pageable copy makes the host do, whoever does it), on the threads embfuse uses."""
+    from embfuse.fx.staging import Staging, copy_all
+
+    n = sum(i.numel() for i in ids)
+    staging = Staging([(torch.int64, n)])
+    starts = [0]
+    for i in ids:
+        starts.append(starts[-1] + i.numel())
+    pairs = [(staging.host[0][a:b], i) for a, b, i in zip(starts, starts[1:], ids)]
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        copy_all(pairs)
+        times.append(time.perf_counter() - t)
+    return 8 * n / statistics.median(times)
+
+
+def chain_kernel(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: int = 20,
+                 rows=(1_000, 1_000_000)) -> dict:
+    """The pooled lookup alone against the lookup followed by the fused LayerNorm + tanh kernel
+    and by torch's LayerNorm, affine and tanh (the seed model's chain), device inputs, us."""
+    from triton.testing import do_bench
+
+    from embfuse.fx.passes.lookups import LookupBatch
+    from embfuse.ops.chain import layer_norm_act
+
+    device = torch.device("cuda")
+    sizes = table_sizes(features, *rows)
+    model = EagerModel(sizes, dim, mode="mean", device=device)
+    batch_ = LookupBatch([f"f{i}" for i in range(features)], list(model.embs), False)
+    ids, offsets = eager_batch(sizes, batch, mean_length, torch.Generator().manual_seed(1))
+    ids, offsets = tuple(i.to(device) for i in ids), tuple(o.to(device) for o in offsets)
+    weights = (None,) * features
+    w = torch.stack([n.weight.detach() for n in model.norms])
+    b = torch.stack([n.bias.detach() for n in model.norms])
+
+    def torch_chain(x):
+        v = x.view(batch, features, dim)
+        return torch.tanh(torch.addcmul(b, torch.nn.functional.layer_norm(v, (dim,)), w))
+
+    with torch.no_grad():
+        x = batch_(ids, offsets, weights)
+        torch.testing.assert_close(layer_norm_act(x.view(batch, features, dim), w, b, 1e-5, "tanh"), torch_chain(x),
+                                   rtol=1e-4, atol=1e-5)
+        us = {
+            "lookup_us": do_bench(lambda: batch_(ids, offsets, weights), return_mode="median") * 1e3,
+            "lookup_fused_chain_us": do_bench(lambda: layer_norm_act(batch_(ids, offsets, weights).view(
+                batch, features, dim), w, b, 1e-5, "tanh"), return_mode="median") * 1e3,
+            "lookup_torch_chain_us": do_bench(lambda: torch_chain(batch_(ids, offsets, weights)),
+                                              return_mode="median") * 1e3,
+            "fused_chain_alone_us": do_bench(lambda: layer_norm_act(x.view(batch, features, dim), w, b, 1e-5,
+                                                                    "tanh"), return_mode="median") * 1e3,
+            "torch_chain_alone_us": do_bench(lambda: torch_chain(x), return_mode="median") * 1e3,
+        }
+    us["chain_bytes"] = 2 * x.numel() * x.element_size()
+    return us
+
+
 def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: int = 20, rows=(1_000, 1_000_000),
             rounds: int = 5, calls: int = 10, variants=VARIANTS, progress=None) -> dict:
     device = torch.device("cuda")
@@ -158,10 +218,13 @@ def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: i
     floor = {"index_bytes": index_bytes, "pinned_h2d_GBps": h2d / 1e9, "h2d_ms": 1e3 * index_bytes / h2d,
              "distinct_rows": distinct, "lookup_roofline_ms": 1e3 * lookup_bytes / bandwidth}
     floor["forward_floor_ms"] = floor["h2d_ms"] + floor["lookup_roofline_ms"]
+    floor["host_copy_GBps"] = _host_copy(ids) / 1e9
+    floor["host_copy_ms"] = 1e3 * index_bytes / (floor["host_copy_GBps"] * 1e9)
     return {"meta": metadata(device, bandwidth),
             "model": {"features": features, "dim": dim, "batch": batch, "mean_length": mean_length,
                       "rows": list(rows), "table_rows_total": sum(sizes)},
-            "floor": floor, "rows": [rows_out[n] for n in variants]}
+            "floor": floor, "rows": [rows_out[n] for n in variants], "chain": chain_kernel(features, dim, batch,
+                                                                                          mean_length, rows)}
 
 
 def markdown(result: dict) -> str:
@@ -181,7 +244,17 @@ def markdown(result: dict) -> str:
                      f"{eager['step_ms'] / r['step_ms']:.2f}x | {r['step_kernels']} | {r['step_h2d_copies']} |")
     lines += ["", f"Forward floor: {f['forward_floor_ms']:.2f} ms = ids and offsets ({f['index_bytes'] / 1e6:.1f} MB) "
                   f"over the pinned host-to-device bandwidth ({f['pinned_h2d_GBps']:.1f} GB/s): {f['h2d_ms']:.2f} ms, "
-                  f"+ the lookup's roofline ({f['distinct_rows']} distinct rows): {f['lookup_roofline_ms']:.2f} ms."]
+                  f"+ the lookup's roofline ({f['distinct_rows']} distinct rows): {f['lookup_roofline_ms']:.2f} ms. "
+                  f"The ids start in pageable host memory: writing them into pinned memory took "
+                  f"{f['host_copy_ms']:.2f} ms ({f['host_copy_GBps']:.1f} GB/s, 12 host threads) in this run."]
+    c = result.get("chain")
+    if c:
+        lines += ["", "| device inputs, us | lookup | lookup + fused LayerNorm/tanh | lookup + torch LayerNorm, affine, "
+                      "tanh | fused chain alone | torch chain alone |", "|---|---|---|---|---|---|",
+                  f"| B{result['model']['batch']} x {result['model']['features']} x {result['model']['dim']} | "
+                  f"{c['lookup_us']:.0f} | {c['lookup_fused_chain_us']:.0f} "
+                  f"(+{100 * (c['lookup_fused_chain_us'] / c['lookup_us'] - 1):.0f}%) | "
+                  f"{c['lookup_torch_chain_us']:.0f} | {c['fused_chain_alone_us']:.0f} | {c['torch_chain_alone_us']:.0f} |"]
     return "\n".join(lines)
 
 

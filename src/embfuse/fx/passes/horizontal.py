@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from embfuse.fx.passes.lookups import CATS
 from embfuse.fx.views import RowView, drop_own_keys, keep_own_keys
+from embfuse.ops.chain import ACTIVATIONS as KERNEL_ACTIVATIONS, layer_norm_act
 
 ACTIVATIONS = {
     torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid", torch.nn.ReLU: "relu", torch.nn.SiLU: "silu",
@@ -115,7 +116,8 @@ def _own_parameters(module: torch.nn.Module) -> list[str]:
 
 
 class FusedChain(torch.nn.Module):
-    """N features' chains as one: forward(x (B, N * D)) applies `ops` to x viewed as (B, N, D).
+    """N features' chains as one: forward(x (B, N * D)) applies `ops` to x viewed as (B, N, D)
+    (LayerNorm + one activation: the fused kernel of embfuse.ops.chain).
     A LayerNorm op k owns `weight_k` / `bias_k` (N, D): its N modules' affines stacked (copies);
     RowViews at the modules' paths show their rows under the original names and keys."""
 
@@ -134,8 +136,19 @@ class FusedChain(torch.nn.Module):
     def embfuse_views(self):
         return [(path, RowView(self, k, i)) for k, paths in self.norms.items() for i, path in enumerate(paths)]
 
+    def _one_op(self):
+        """(eps, activation) when the chain is LayerNorm, then at most one of tanh / sigmoid /
+        relu: one embfuse.ops.chain kernel (one read, one write) instead of a pass an op."""
+        kinds = [k for k, _ in self.ops]
+        if kinds[:1] == ["layer_norm"] and len(kinds) <= 2 and set(kinds[1:]) <= set(KERNEL_ACTIVATIONS[1:]):
+            return self.ops[0][1][0], kinds[1] if len(kinds) == 2 else "none"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = as_blocks(x, self.N, self.D)
+        one = self._one_op()
+        if one is not None:
+            return layer_norm_act(y, getattr(self, "weight_0", None), getattr(self, "bias_0", None), *one).flatten(1)
         for k, (kind, settings) in enumerate(self.ops):
             if kind == "layer_norm":
                 y = F.layer_norm(y, (self.D,), None, None, settings[0])
