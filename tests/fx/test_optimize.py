@@ -342,3 +342,39 @@ def test_copy_all_spreads_large_copies_over_threads():
     starts = torch.tensor([0] + [s.numel() for s in srcs]).cumsum(0).tolist()
     copy_all([(dst[a:b], s) for a, b, s in zip(starts, starts[1:], srcs)])
     assert torch.equal(dst, torch.cat(srcs))
+
+
+class PerFeature(nn.Module):
+    """What torch.compile sees of the seed model's chain: LayerNorm modules and tanh over a split."""
+
+    def __init__(self, N, D):
+        super().__init__()
+        self.D = D
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(N))
+        with torch.no_grad():
+            for n in self.norms:
+                n.weight.uniform_(0.5, 1.5)
+                n.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        parts = torch.split(x, self.D, dim=1)
+        return torch.cat([torch.tanh(n(p)) for n, p in zip(self.norms, parts)], dim=1)
+
+
+def test_inductor_pre_grad_pass():
+    import torch._inductor.config as inductor
+
+    torch._dynamo.reset()
+    model = PerFeature(4, 8)
+    x = torch.randn(5, 32, requires_grad=True)
+    fusion = embfuse.fx.passes.HorizontalFusion()
+    assert fusion.uuid() == embfuse.fx.passes.HorizontalFusion().uuid()
+    with inductor.patch(pre_grad_custom_pass=fusion):
+        compiled = torch.compile(model, fullgraph=True)
+        actual = compiled(x)
+    assert fusion.fused == 1
+    expected = model(x)
+    torch.testing.assert_close(actual, expected, **TOL)
+    (ga,) = torch.autograd.grad(actual.sum(), x)
+    (ge,) = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(ga, ge, **TOL)

@@ -5,9 +5,9 @@ collections' all-to-alls."""
 
 from embfuse.fx.overlap import overlap_collectives, split_collectives
 from embfuse.fx.passes.copies import combine_copies
-from embfuse.fx.passes.horizontal import FusedChain, fuse_horizontal
+from embfuse.fx.passes.horizontal import FusedChain, HorizontalFusion, fuse_horizontal
 from embfuse.fx.passes.lookups import LookupBatch, batch_lookups
 from embfuse.fx.views import RowView, TableView, restore_names
 
-__all__ = ["FusedChain", "LookupBatch", "RowView", "TableView", "batch_lookups", "combine_copies", "fuse_horizontal", "restore_names",
+__all__ = ["FusedChain", "HorizontalFusion", "LookupBatch", "RowView", "TableView", "batch_lookups", "combine_copies", "fuse_horizontal", "restore_names",
            "overlap_collectives", "split_collectives"]

@@ -17,7 +17,9 @@ import operator
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+import embfuse.ops.chain as chain_module
 from embfuse.fx.passes.lookups import CATS
 from embfuse.fx.views import RowView, drop_own_keys, keep_own_keys
 from embfuse.ops.chain import ACTIVATIONS as KERNEL_ACTIVATIONS, layer_norm_act
@@ -57,10 +59,10 @@ def _op(gm: torch.fx.GraphModule, node: torch.fx.Node, D: int):
         shape = node.kwargs.get("normalized_shape", args[1])
         w, b = node.kwargs.get("weight", args[2]), node.kwargs.get("bias", args[3])
         eps = node.kwargs.get("eps", args[4] if args[4] is not None else 1e-5)
-        if not isinstance(shape, (list, tuple)) or tuple(shape) != (D,) or any(isinstance(p, torch.fx.Node) and p.op != "get_attr" for p in (w, b)):
+        if not isinstance(shape, (list, tuple)) or tuple(shape) != (D,) or not isinstance(eps, float) or any(
+                p is not None and not isinstance(p, torch.fx.Node) for p in (w, b)):
             return None
-        return "layer_norm", (eps, w is not None, b is not None), (
-            w.target if w is not None else None, b.target if b is not None else None)
+        return "layer_norm", (eps, w is not None, b is not None), (w, b)
     return None
 
 
@@ -111,6 +113,15 @@ def as_blocks(x: torch.Tensor, N: int, D: int) -> torch.Tensor:
     return x.reshape(x.shape[0], N, D)
 
 
+def _one_op(ops):
+    """(eps, activation) when a chain is LayerNorm, then at most one of tanh / sigmoid / relu:
+    one embfuse.ops.chain kernel (one read, one write) instead of a pass an op."""
+    kinds = [k for k, _ in ops]
+    if kinds[:1] == ["layer_norm"] and len(kinds) <= 2 and set(kinds[1:]) <= set(KERNEL_ACTIVATIONS[1:]):
+        return ops[0][1][0], kinds[1] if len(kinds) == 2 else "none"
+    return None
+
+
 def _own_parameters(module: torch.nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False)]
 
@@ -136,17 +147,9 @@ class FusedChain(torch.nn.Module):
     def embfuse_views(self):
         return [(path, RowView(self, k, i)) for k, paths in self.norms.items() for i, path in enumerate(paths)]
 
-    def _one_op(self):
-        """(eps, activation) when the chain is LayerNorm, then at most one of tanh / sigmoid /
-        relu: one embfuse.ops.chain kernel (one read, one write) instead of a pass an op."""
-        kinds = [k for k, _ in self.ops]
-        if kinds[:1] == ["layer_norm"] and len(kinds) <= 2 and set(kinds[1:]) <= set(KERNEL_ACTIVATIONS[1:]):
-            return self.ops[0][1][0], kinds[1] if len(kinds) == 2 else "none"
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = as_blocks(x, self.N, self.D)
-        one = self._one_op()
+        one = _one_op(self.ops)
         if one is not None:
             return layer_norm_act(y, getattr(self, "weight_0", None), getattr(self, "bias_0", None), *one).flatten(1)
         for k, (kind, settings) in enumerate(self.ops):
@@ -197,8 +200,12 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
                 out = graph.call_module(name, (x,))
             else:
                 y = graph.call_function(as_blocks, (x, N, D))
-                for (kind, settings), params in zip(ops, sources):
-                    y = _apply(graph, y, kind, settings, params, D)
+                one = _one_op(ops)
+                if one is not None:
+                    y = graph.call_function(layer_norm_act, (y, *_stacks(graph, ops[0][1], sources[0]), *one))
+                else:
+                    for (kind, settings), params in zip(ops, sources):
+                        y = _apply(graph, y, kind, settings, params, D)
                 out = graph.call_function(torch.flatten, (y, 1))
         cat.replace_all_uses_with(out)
         dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
@@ -241,16 +248,23 @@ def _nodes_between(end: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Nod
     return out
 
 
+def _stacks(graph: torch.fx.Graph, settings, params):
+    """The (N, D) stacks of a LayerNorm op's per-feature weights and biases (None without)."""
+    _, has_weight, has_bias = settings
+    pairs = [(graph.get_attr(f"{p}.weight") if has_weight else None, graph.get_attr(f"{p}.bias") if has_bias else None)
+             if isinstance(p, str) else p for p in params]  # (a module's path, or the functional call's nodes)
+    weight = graph.call_function(torch.stack, ([w for w, _ in pairs],)) if has_weight else None
+    bias = graph.call_function(torch.stack, ([b for _, b in pairs],)) if has_bias else None
+    return weight, bias
+
+
 def _apply(graph: torch.fx.Graph, y, kind: str, settings, params, D: int):
     if kind != "layer_norm":
         if kind == "gelu":
             return graph.call_function(F.gelu, (y,), {"approximate": settings[0]})
         return graph.call_function(APPLY[kind], (y,))
-    eps, has_weight, has_bias = settings
-    params = [(f"{p}.weight", f"{p}.bias") if isinstance(p, str) else p for p in params]  # (a module's path)
-    y = graph.call_function(F.layer_norm, (y, (D,), None, None, eps))
-    weight = graph.call_function(torch.stack, ([graph.get_attr(w) for w, _ in params],)) if has_weight else None
-    bias = graph.call_function(torch.stack, ([graph.get_attr(b) for _, b in params],)) if has_bias else None
+    weight, bias = _stacks(graph, settings, params)
+    y = graph.call_function(F.layer_norm, (y, (D,), None, None, settings[0]))
     if weight is not None and bias is not None:
         return graph.call_function(torch.addcmul, (bias, y, weight))
     if weight is not None:
@@ -258,3 +272,24 @@ def _apply(graph: torch.fx.Graph, y, kind: str, settings, params, D: int):
     if bias is not None:
         return graph.call_function(operator.add, (y, bias))
     return y
+
+
+class HorizontalFusion(CustomGraphPass):
+    """fuse_horizontal as an Inductor pre-grad pass, for torch.compile users:
+
+        torch._inductor.config.pre_grad_custom_pass = embfuse.fx.passes.HorizontalFusion()
+
+    Pre-grad graphs hold torch functions (modules inlined, parameters as inputs), so the chains
+    there are functional LayerNorms and activations: they become one `embfuse::layer_norm_act`
+    op (or the batched torch ops) on the (B, N, D) view. `fused` counts the rewrites."""
+
+    def __init__(self):
+        self.fused = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        report: list[str] = []
+        fuse_horizontal(graph.owning_module, report)
+        self.fused += len(report)
+
+    def uuid(self):
+        return get_hash_for_files((__file__, chain_module.__file__))
