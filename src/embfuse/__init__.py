@@ -10,6 +10,15 @@ from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingColl
 from embfuse import nn, optim, tf
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`embfuse.fx` and `embfuse.distributed` on first use (they import more of torch)."""
+    if name in ("fx", "distributed"):
+        import importlib
+
+        return importlib.import_module(f"embfuse.{name}")
+    raise AttributeError(f"module 'embfuse' has no attribute {name!r}")
 __all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
            "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim", "tf",
            "__version__"]
