@@ -43,6 +43,12 @@ class FusedOptimizer:
         if check is not None and check.bad:
             yield None
             return
+        if torch.cuda.is_current_stream_capturing() and self._changes_every_step():
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__}: a CUDA graph replays the hyper-parameters of the step it "
+                f"captured, and this rule's change every step (bias corrections, lr_decay, stochastic rounding's "
+                f"seed): its fused update cannot be captured. SGD and Adagrad / RowWiseAdagrad without lr_decay "
+                f"can (replays do not advance the host's step count, which they do not read).")
         self.step += 1
         try:
             yield self.step
@@ -51,6 +57,10 @@ class FusedOptimizer:
             raise
         if check is not None and check.bad is None:
             check.undo.append(self._undo_step)
+
+    def _changes_every_step(self) -> bool:
+        rule = self.optimizer
+        return getattr(rule, "stochastic_rounding", False) or rule.hyper(1) != rule.hyper(2)
 
     def _undo_step(self):
         self.step -= 1
