@@ -43,7 +43,7 @@ class FusedOptimizer:
         if check is not None and check.bad:
             yield None
             return
-        if torch.cuda.is_current_stream_capturing() and self._changes_every_step():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and self._changes_every_step():
             raise RuntimeError(
                 f"{type(self.optimizer).__name__}: a CUDA graph replays the hyper-parameters of the step it "
                 f"captured, and this rule's change every step (bias corrections, lr_decay, stochastic rounding's "
