@@ -7,7 +7,9 @@ five ways in one process:
 - compile: `torch.compile(model)`;
 - compile + batch fusions: the same with Inductor's pre-grad batch fusions on;
 - optimize: `embfuse.fx.optimize(model, optimizer=embfuse.optim.SGD)` + torch.optim.SGD on the rest;
-- optimize + compile: that, compiled.
+- optimize + compile: that, compiled;
+- optimize + CUDA graph: that, its forward and step each captured in a CUDA graph and replayed
+  (batches of one structure: the bag lengths of the first, new ids each batch).
 
 Per variant: the forward (no_grad) and the training step (forward, BCE loss, backward, update),
 milliseconds per call (median of alternating rounds, synchronised), and per call the CUDA
@@ -34,7 +36,8 @@ import embfuse.fx
 from embfuse.bench.eager import EagerModel, eager_batch
 from embfuse.bench.runner import copy_bandwidth, metadata
 
-VARIANTS = ("eager", "compile", "compile + batch fusions", "optimize", "optimize + compile")
+VARIANTS = ("eager", "compile", "compile + batch fusions", "optimize", "optimize + compile",
+            "optimize + CUDA graph")
 BATCH_FUSIONS = {name: {} for name in ("batch_layernorm", "batch_tanh", "batch_relu", "batch_sigmoid",
                                         "batch_linear")}
 
@@ -78,6 +81,67 @@ class _Variant:
             loss = F.binary_cross_entropy_with_logits(self.call(*batch[:2]), batch[2])
             loss.backward()
             self.opt.step()
+
+
+class _Graphed:
+    """`optimize`, its forward and its step each captured once in a CUDA graph, replayed on batches
+    of one structure (CUDA graphs replay fixed shapes): every batch here has the bag lengths of the
+    first, with its own ids (same generator). A call writes the ids into pinned memory on the host
+    (copy_all), copies them in one copy into the graph's static input buffer and replays."""
+
+    def __init__(self, base: EagerModel, batches, lr: float):
+        ids0, offsets0, _ = batches[0]
+        self.sizes = [m.num_embeddings for m in base.embs]
+        g = torch.Generator().manual_seed(7)
+        self.twins = {id(b): ([(torch.rand(i.numel(), generator=g) ** 2 * n).long().clamp_(max=n - 1)
+                               for n, i in zip(self.sizes, ids0)], b[2]) for b in batches}
+        model = embfuse.fx.optimize(copy.deepcopy(base), (ids0, offsets0), optimizer=embfuse.optim.SGD(lr=lr))
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        device = batches[0][2].device
+        self.starts = [0]
+        for i in ids0:
+            self.starts.append(self.starts[-1] + i.numel())
+        self.static = torch.empty(self.starts[-1], dtype=torch.int64, device=device)
+        self.static_ids = [self.static[a:b] for a, b in zip(self.starts, self.starts[1:])]
+        self.static_offsets = [o.to(device) for o in offsets0]
+        self.static_target = batches[0][2].clone()
+        self._stage(batches[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(model)
+                with torch.no_grad():
+                    model(self.static_ids, self.static_offsets)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph_step, self.graph_forward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph_step):
+            self._step(model)
+        with torch.no_grad(), torch.cuda.graph(self.graph_forward):
+            self.out = model(self.static_ids, self.static_offsets)
+
+    def _step(self, model):
+        self.opt.zero_grad(set_to_none=True)
+        F.binary_cross_entropy_with_logits(model(self.static_ids, self.static_offsets), self.static_target).backward()
+        self.opt.step()
+
+    def _stage(self, batch):
+        from embfuse.fx.staging import Staging, copy_all
+
+        ids, target = self.twins[id(batch)]
+        staging = Staging([(torch.int64, self.starts[-1])])
+        copy_all([(staging.host[0][a:b], i) for a, b, i in zip(self.starts, self.starts[1:], ids)])
+        self.static.copy_(staging.host[0], non_blocking=True)
+        self.static_target.copy_(target, non_blocking=True)
+
+    def forward(self, batch):
+        self._stage(batch)
+        self.graph_forward.replay()
+        return self.out
+
+    def step(self, batch):
+        self._stage(batch)
+        self.graph_step.replay()
 
 
 def _time(fn, batches, calls: int) -> float:
@@ -193,7 +257,8 @@ def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: i
         ids, offsets = eager_batch(sizes, batch, mean_length, g)
         batches.append((ids, offsets, torch.rand(batch, 1, generator=g).round().to(device)))
     lr = 0.01
-    built = {name: _Variant(name, base, batches[0][:2], lr) for name in variants}
+    built = {name: _Graphed(base, batches, lr) if name == "optimize + CUDA graph" else
+             _Variant(name, base, batches[0][:2], lr) for name in variants}
     rows_out = {name: {"variant": name} for name in variants}
     for kind in ("forward", "step"):
         for name, v in list(built.items()):  # warm-up: compiles, caches, clocks
