@@ -434,3 +434,40 @@ def test_whole_optimized_training_step_captured_in_a_cuda_graph():
     with pytest.raises(RuntimeError, match="Adam: a CUDA graph replays"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             adam(static_ids, static_offsets).sum().backward()
+
+
+def test_prefetch_off_the_gpu_does_nothing_and_changes_nothing():
+    sizes = [30, 40]
+    model = EagerModel(sizes, 4, hidden=(8,))
+    ids, offsets = eager_batch(sizes, 4, 2)
+    fast = embfuse.fx.optimize(model, (ids, offsets))
+    embfuse.fx.prefetch(fast, ids, offsets)  # CPU tables: nothing to stage ahead
+    embfuse.fx.prefetch(model, ids, offsets)  # not an optimized model
+    torch.testing.assert_close(fast(ids, offsets), model(ids, offsets), **TOL)
+
+
+@pytest.mark.gpu
+def test_prefetched_batches_train_as_unprefetched_ones():
+    """A loop that prefetches batch i + 1 while running batch i trains as the plain loop does,
+    and a bad batch's error comes at its own call."""
+    sizes = [300, 500, 200]
+    model = EagerModel(sizes, 8, hidden=(16,), device="cuda")
+    g = torch.Generator().manual_seed(6)
+    batches = [eager_batch(sizes, 32, 4, g) for _ in range(4)]
+    plain = embfuse.fx.optimize(model, batches[0], optimizer=embfuse.optim.SGD(lr=0.1))
+    fetched = embfuse.fx.optimize(model, batches[0], optimizer=embfuse.optim.SGD(lr=0.1))
+    for i, batch in enumerate(batches):
+        if i + 1 < len(batches):
+            embfuse.fx.prefetch(fetched, *batches[i + 1])
+        a, b = plain(*batch), fetched(*batch)
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        a.sum().backward()
+        b.sum().backward()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(fetched.state_dict()[k], v, rtol=0, atol=0)
+    ids, offsets = eager_batch(sizes, 32, 4, g)
+    offsets[1][0] = 3
+    embfuse.fx.prefetch(fetched, ids, offsets)
+    with pytest.raises(embfuse.BadBatchError, match="embs.1"):
+        fetched(ids, offsets)
+    fetched(*batches[0])  # still usable
