@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                    "and under embfuse.fx.optimize (forward and training step, kernels and copies per call)")
     p.add_argument("--fx-variants", nargs="+", default=None, help="--fx: only these of " + ", ".join(
                    "'" + v + "'" for v in ("eager", "compile", "compile + batch fusions", "optimize",
-                                            "optimize + compile", "optimize + prefetch",
-                                            "optimize + CUDA graph")))
+                                            "optimize + compile", "optimize + CUDA graph")))
     p.add_argument("--distributed", action="store_true",
                    help="the sharded training step on every rank: run under torchrun --nproc_per_node=N "
                    "--no-python embfuse bench --distributed (alone: a world of one)")

@@ -8,8 +8,6 @@ five ways in one process:
 - compile + batch fusions: the same with Inductor's pre-grad batch fusions on;
 - optimize: `embfuse.fx.optimize(model, optimizer=embfuse.optim.SGD)` + torch.optim.SGD on the rest;
 - optimize + compile: that, compiled;
-- optimize + prefetch: that, each call first starting the next batch's staging
-  (`embfuse.fx.prefetch`: a background thread and a side stream);
 - optimize + CUDA graph: that, its forward and step each captured in a CUDA graph and replayed
   (batches of one structure: the bag lengths of the first, new ids each batch).
 
@@ -39,7 +37,7 @@ from embfuse.bench.eager import EagerModel, eager_batch
 from embfuse.bench.runner import copy_bandwidth, metadata
 
 VARIANTS = ("eager", "compile", "compile + batch fusions", "optimize", "optimize + compile",
-            "optimize + prefetch", "optimize + CUDA graph")
+            "optimize + CUDA graph")
 BATCH_FUSIONS = {name: {} for name in ("batch_layernorm", "batch_tanh", "batch_relu", "batch_sigmoid",
                                         "batch_linear")}
 
@@ -54,9 +52,8 @@ def table_sizes(features: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 class _Variant:
     """A model, its optimizer, and its own forward / step callables."""
 
-    def __init__(self, name: str, base: EagerModel, example, lr: float, batches=()):
+    def __init__(self, name: str, base: EagerModel, example, lr: float):
         self.fusions = name == "compile + batch fusions"
-        self.batches = list(batches) if name == "optimize + prefetch" else []
         model = copy.deepcopy(base)
         if name.startswith("optimize"):
             model = embfuse.fx.optimize(model, example, optimizer=embfuse.optim.SGD(lr=lr))
@@ -74,18 +71,11 @@ class _Variant:
 
         return inductor.patch(pre_grad_fusion_options=BATCH_FUSIONS)
 
-    def _prefetch_next(self, batch):
-        if self.batches:
-            i = next(k for k, b in enumerate(self.batches) if b is batch)
-            embfuse.fx.prefetch(self.model, *self.batches[(i + 1) % len(self.batches)][:2])
-
     def forward(self, batch):
-        self._prefetch_next(batch)
         with torch.no_grad(), self._options():
             return self.call(*batch[:2])
 
     def step(self, batch):
-        self._prefetch_next(batch)
         with self._options():
             self.opt.zero_grad(set_to_none=True)
             loss = F.binary_cross_entropy_with_logits(self.call(*batch[:2]), batch[2])
@@ -268,7 +258,7 @@ def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: i
         batches.append((ids, offsets, torch.rand(batch, 1, generator=g).round().to(device)))
     lr = 0.01
     built = {name: _Graphed(base, batches, lr) if name == "optimize + CUDA graph" else
-             _Variant(name, base, batches[0][:2], lr, batches) for name in variants}
+             _Variant(name, base, batches[0][:2], lr) for name in variants}
     rows_out = {name: {"variant": name} for name in variants}
     for kind in ("forward", "step"):
         for name, v in list(built.items()):  # warm-up: compiles, caches, clocks

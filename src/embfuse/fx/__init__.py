@@ -8,7 +8,7 @@
 """
 
 from embfuse.fx import passes
-from embfuse.fx.optimize import optimize, prefetch, trace as trace_model
+from embfuse.fx.optimize import optimize, trace as trace_model
 from embfuse.fx.overlap import ShardedTracer, overlap_collectives, split_collectives, trace
 
-__all__ = ["optimize", "prefetch", "passes", "trace_model", "ShardedTracer", "overlap_collectives", "split_collectives", "trace"]
+__all__ = ["optimize", "passes", "trace_model", "ShardedTracer", "overlap_collectives", "split_collectives", "trace"]

@@ -23,12 +23,11 @@ from typing import Sequence
 import torch
 import torch.fx
 from torch.fx._symbolic_trace import PH
-from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from embfuse.fx.passes.copies import combine_copies
 from embfuse.fx.passes.horizontal import fuse_horizontal
-from embfuse.fx.passes.lookups import LookupBatch, batch_lookups
+from embfuse.fx.passes.lookups import batch_lookups
 from embfuse.fx.views import restore_names
 
 PASSES = ("lookups", "horizontal", "copies")
@@ -187,34 +186,3 @@ def _own(module: torch.nn.Module, memo: dict | None = None) -> None:
             _own(child, memo)
         else:
             setattr(module, name, copy.deepcopy(child, memo))
-
-
-def prefetch(model: torch.nn.Module, *args) -> None:
-    """Start moving the host inputs of a later `model(*args)` call to the GPU now: each batched
-    lookup of `model` (an `optimize`d model) stages its features on a background thread and a
-    side stream while the current step runs, and the call with these same tensor objects uses
-    the result (its errors, a bad offset say, are raised by that call). A training loop:
-
-        for batch, upcoming in zip(batches, batches[1:] + [None]):
-            if upcoming is not None:
-                embfuse.fx.prefetch(fast, *upcoming)
-            step(fast, *batch)
-
-    Does nothing for models or inputs it cannot stage (not optimized, inputs on the GPU)."""
-    if not isinstance(model, torch.fx.GraphModule):
-        return
-    placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
-    info = getattr(model.graph._codegen, "pytree_info", None)
-    flat = list(args)
-    if info is not None and info.in_spec is not None:  # (the generated forward flattens [self, *args])
-        flat = fx_pytree.tree_flatten_spec([model, *args], info.in_spec)[1:]
-    values = dict(zip(placeholders, flat))
-    for node in model.graph.nodes:
-        if node.op != "call_module" or not isinstance(model.get_submodule(node.target), LookupBatch):
-            continue
-        try:
-            ids, offsets, weights = (tuple(values[a] if a is not None else None for a in group)
-                                     for group in node.args)
-        except (KeyError, TypeError):  # an input the graph computes: nothing to stage ahead
-            continue
-        model.get_submodule(node.target).prefetch(ids, offsets, weights)

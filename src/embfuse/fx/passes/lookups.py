@@ -15,9 +15,6 @@ feature into one pinned buffer on the host (global offsets and all) and copies i
 
 from __future__ import annotations
 
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.fx
 from torch import Tensor
@@ -72,70 +69,17 @@ class LookupBatch(torch.nn.Module):
     def embfuse_views(self):
         return [(name, TableView(self, name)) for name in self.names]
 
-    def _staged_here(self, ids, offsets, weights) -> bool:
-        parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
-        return all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts)
-
-    def prefetch(self, ids: tuple, offsets: tuple, weights: tuple) -> None:
-        """Start staging a later call's host inputs now, on a background thread and a side CUDA
-        stream (the host's copy into pinned memory and the host-to-device copy then overlap the
-        current step); the call with these same tensor objects picks the result up. The tensors
-        are read when the thread gets to them: leave them unchanged until that call."""
-        device = self.collection.weights.device
-        if device.type != "cuda" or not self._staged_here(ids, offsets, weights):
-            return
-        if self not in _PENDING:
-            _PENDING[self] = ({}, torch.cuda.Stream(device))
-        pending, stream = _PENDING[self]
-        B = _batch_size(self.names, ids, offsets)
-        while len(pending) >= 4:  # prefetched batches never called: the oldest go
-            pending.pop(next(iter(pending)))
-        pending[_key(ids, offsets, weights)] = (ids, offsets, weights, _prefetcher().submit(
-            _stage_on, stream, self.names, ids, offsets, weights if self.weighted else None, B, device))
-
     @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
     def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
         device = self.collection.weights.device
         B = _batch_size(self.names, ids, offsets)
-        pending = _PENDING[self][0].pop(_key(ids, offsets, weights), None) if self in _PENDING else None
-        if pending is not None:
-            (values, offs, psw), ready = pending[3].result()  # (a bad batch's error is raised here)
-            stream = torch.cuda.current_stream(device)
-            stream.wait_event(ready)
-            values.record_stream(stream)  # (one buffer holds all three)
-        elif self._staged_here(ids, offsets, weights):
+        parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
+        if all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts):
             values, offs, psw = _stage(self.names, ids, offsets, weights if self.weighted else None, B, device)
         else:
             values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
         kjt = KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
         return self.collection(kjt).values()
-
-
-def _key(ids, offsets, weights) -> tuple:
-    return tuple(id(t) for t in (*ids, *offsets, *weights))
-
-
-_PREFETCH: list[ThreadPoolExecutor] = []
-# per LookupBatch: prefetches not yet called for (key -> inputs, future) and their copy stream
-# (kept off the module, so that copies and state_dicts of it never meet a future)
-_PENDING: "weakref.WeakKeyDictionary[LookupBatch, tuple[dict, torch.cuda.Stream]]" = weakref.WeakKeyDictionary()
-
-
-def _prefetcher() -> ThreadPoolExecutor:
-    """One thread for prefetches (its copies fan out over staging's pool: a prefetch waiting on
-    that pool from inside it could deadlock)."""
-    if not _PREFETCH:
-        _PREFETCH.append(ThreadPoolExecutor(1, thread_name_prefix="embfuse-prefetch"))
-    return _PREFETCH[0]
-
-
-def _stage_on(stream, names, ids, offsets, weights, B, device):
-    """_stage with its copy on `stream`; returns (its result, an event the consumer waits for)."""
-    with torch.cuda.stream(stream):
-        staged = _stage(names, ids, offsets, weights, B, device)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return staged, ready
 
 
 def _drop_tables(module, state_dict, prefix, local_metadata):
