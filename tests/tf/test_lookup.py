@@ -201,3 +201,16 @@ def test_edge_batches(device):
     unordered = sparse([((2, 0), 1), ((0, 0), 2), ((2, 1), 4)], (3, 2), device)
     torch.testing.assert_close(embedding_lookup_sparse(t, unordered, None, combiner="sum"),
                                torch.stack([t[2], torch.zeros(3, device=device), t[1] + t[4]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_keeps_zero_weights_so_their_row_is_not_empty(device):
+    """TensorFlow prunes weights <= 0 only for mean and sqrtn: with sum a weight of 0 is an entry,
+    so its row is not empty and gets no default id (it pools to 0)."""
+    t = torch.randn(5, 3, device=device)
+    ids = sparse([((0, 0), 3), ((1, 0), 2)], (2, 2), device)
+    w = sparse([((0, 0), 0.0), ((1, 0), 2.0)], (2, 2), device, torch.float32)
+    out = safe_embedding_lookup_sparse(t, ids, w, combiner="sum", default_id=4)
+    torch.testing.assert_close(out, torch.stack([torch.zeros(3, device=device), 2 * t[2]]))
+    out = safe_embedding_lookup_sparse(t, ids, w, combiner="mean", default_id=4)  # pruned: the default
+    torch.testing.assert_close(out, torch.stack([t[4], t[2]]))

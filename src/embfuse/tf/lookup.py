@@ -238,6 +238,9 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     for s in shape[:-1]:
         batch *= s
     rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
+    if len(shards) == 1 and max_norm is None:
+        out = pool_one_table(shards[0], rows, ids, weights, keep, batch, combiner, default_id)
+        return out.reshape(*shape[:-1], shards[0].shape[1])
     rows, ids = rows[keep], ids[keep]
     weights = None if weights is None else weights[keep]
     _check_ids(ids, total, "safe_embedding_lookup_sparse")
@@ -250,5 +253,39 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
         ids = torch.cat([ids, torch.full_like(filled, default_id)])[order]
         if weights is not None:
             weights = torch.cat([weights, weights.new_ones(filled.numel())])[order]
-    out = _combine(shards, rows, ids, weights, batch, combiner, partition_strategy, max_norm)
+    out = combine_reference(shards, rows, ids, weights, batch, combiner, partition_strategy, max_norm)
     return out.reshape(*shape[:-1], shards[0].shape[1])
+
+
+def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], keep: Tensor,
+                   num_rows: int, combiner: str, default_id: Optional[int]) -> Tensor:
+    """safe_embedding_lookup_sparse on one table without max_norm, with no host read and a fixed
+    number of launches: entries dropped by the safe rules stay, with weight 0 and id 0 (nothing is
+    compacted, so no size depends on the data); the entries are put in row order (a stable sort:
+    TensorFlow's own row-major order is left as it is, so positions in error messages are the
+    caller's); one weighted-sum `embedding_bag` pools them (its deferred check catches ids past
+    the table); rows left empty get `default_id`'s row, weight 1, from a second one-id-a-row bag
+    weighted by emptiness; mean and sqrtn divide by the kept weights' sum (of squares) plus that 1."""
+    dev = ids.device
+    acc = torch.float64 if table.dtype == torch.float64 else torch.float32
+    w = torch.ones(ids.numel(), dtype=acc, device=dev) if weights is None else weights.to(acc)
+    w = torch.where(keep, w, 0)
+    order = torch.argsort(rows, stable=True)
+    rows, w, keep = rows[order], w[order], keep[order]
+    safe_ids = torch.where(keep, ids[order], 0)
+    offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=dev))
+    out = embedding_bag(safe_ids, table, offsets, mode="sum", per_sample_weights=w.to(table.dtype),
+                        include_last_offset=True).to(acc)
+    kept = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, keep.to(acc))  # (sum keeps weights 0)
+    empty = (kept == 0).to(acc)
+    if default_id is not None:
+        fill = torch.full((num_rows, 1), default_id, dtype=torch.int64, device=dev)
+        out = out + embedding_bag(fill, table, mode="sum", per_sample_weights=empty[:, None].to(table.dtype)).to(acc)
+    if combiner == "sum":
+        return out.to(table.dtype)
+    div = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, w if combiner == "mean" else w * w)
+    if default_id is not None:
+        div = div + empty
+    if combiner == "sqrtn":
+        div = div.sqrt()
+    return torch.where(div[:, None] != 0, out / torch.where(div != 0, div, 1)[:, None], 0).to(table.dtype)
