@@ -434,3 +434,47 @@ def test_whole_optimized_training_step_captured_in_a_cuda_graph():
     with pytest.raises(RuntimeError, match="Adam: a CUDA graph replays"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             adam(static_ids, static_offsets).sum().backward()
+
+
+class Sequences(nn.Module):
+    """nn.Embedding lookups of history sequences (B, L) and a candidate (B,), per-feature tables."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.history = nn.Embedding(50, 6, device=device)
+        self.candidate = nn.Embedding(30, 6, device=device)
+        self.other = nn.Embedding(20, 4, device=device)  # another width: its own batch
+        self.padded = nn.Embedding(20, 6, padding_idx=0, device=device)  # left as it is
+        self.top = nn.Linear(6 + 6 + 4 + 6, 1, device=device)
+
+    def forward(self, hist, cand, other, padded):
+        dev = self.top.weight.device
+        h = self.history(hist.to(dev)).mean(1)
+        c = self.candidate(cand.to(dev))
+        o = self.other(other.to(dev))
+        p = self.padded(padded.to(dev)).sum(1)
+        return self.top(torch.cat([h, c, o, p], 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_lookups_are_batched_by_width(device):
+    g = torch.Generator().manual_seed(9)
+    model = Sequences(device)
+    args = (torch.randint(0, 50, (5, 7), generator=g), torch.randint(0, 30, (5,), generator=g),
+            torch.randint(0, 20, (5,), generator=g), torch.randint(0, 20, (5, 3), generator=g))
+    fast = embfuse.fx.optimize(model, args, optimizer=embfuse.optim.SGD(lr=0.1))
+    report = " ".join(fast.embfuse_report)
+    assert "batched 2 Embedding lookups" in report and "batched 1 Embedding lookups" in report
+    assert "left padded: padding_idx=0" in report
+    expected, actual = model(*args), fast(*args)
+    torch.testing.assert_close(actual, expected, **TOL)
+    assert {k: v.shape for k, v in fast.state_dict().items() if "optimizer" not in k} == {
+        k: v.shape for k, v in model.state_dict().items()}
+    expected.sum().backward()
+    actual.sum().backward()  # the fused SGD updates the batched tables; torch's are updated by hand
+    with torch.no_grad():
+        for name in ("history", "candidate", "other"):
+            torch.testing.assert_close(fast.get_submodule(name).weight,
+                                       getattr(model, name).weight - 0.1 * getattr(model, name).weight.grad, **TOL)
+    fast.load_state_dict(model.state_dict())
+    torch.testing.assert_close(fast.get_submodule("candidate").weight, model.candidate.weight, rtol=0, atol=0)

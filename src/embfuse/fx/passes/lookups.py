@@ -1,5 +1,6 @@
 """Batch the lookups: the N `torch.nn.EmbeddingBag` calls of one forward become one embfuse
-collection lookup (one check pass, one pooling launch, one fused backward).
+collection lookup (one check pass, one pooling launch, one fused backward), and the plain
+`torch.nn.Embedding` calls of one width one EmbeddingCollection lookup (EmbeddingBatch).
 
 A call is batched when its module is a plain `nn.EmbeddingBag` with sum or mean pooling and no
 max_norm, padding_idx, scale_grad_by_freq or include_last_offset (per_sample_weights with sum
@@ -15,13 +16,15 @@ feature into one pinned buffer on the host (global offsets and all) and copies i
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch import Tensor
 
 from embfuse.fx.staging import Staging, copy_all
 from embfuse.fx.views import TableView
-from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig
+from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.ops.errors import BadBatchError
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
@@ -38,6 +41,19 @@ def unbatchable(m: torch.nn.Module) -> str | None:
                      ("include_last_offset", not m.include_last_offset)):
         if not ok:
             return f"{name}={getattr(m, name)!r} is not batched (a collection pools sum or mean only)"
+    if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"a {m.weight.dtype} table is not batched"
+    return None
+
+
+def unbatchable_embedding(m: torch.nn.Module) -> str | None:
+    """Why the lookup of an nn.Embedding `m` cannot join a collection, or None when it can."""
+    if type(m) is not torch.nn.Embedding:
+        return f"{type(m).__name__} is not a plain torch.nn.Embedding"
+    for name, ok in (("max_norm", m.max_norm is None), ("padding_idx", m.padding_idx is None),
+                     ("scale_grad_by_freq", not m.scale_grad_by_freq)):
+        if not ok:
+            return f"{name}={getattr(m, name)!r} is not batched"
     if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"a {m.weight.dtype} table is not batched"
     return None
@@ -82,9 +98,53 @@ class LookupBatch(torch.nn.Module):
         return self.collection(kjt).values()
 
 
+class EmbeddingBatch(torch.nn.Module):
+    """Plain lookups of several features, one table each (one width), as one EmbeddingCollection
+    call: forward(ids) takes one ids tensor a feature (any shape, host or device) and returns
+    each feature's rows, ids.shape + (D,). State as LookupBatch's."""
+
+    def __init__(self, names: list[str], modules: list[torch.nn.Embedding], optimizer=None):
+        super().__init__()
+        w = modules[0].weight
+        tables = [EmbeddingConfig(m.num_embeddings, m.embedding_dim, name=n, feature_names=[n], data_type=w.dtype)
+                  for n, m in zip(names, modules)]
+        self.collection = EmbeddingCollection(tables, device=w.device, optimizer=optimizer)
+        with torch.no_grad():
+            for view, m in zip(self.collection.table_weights(), modules):
+                view.copy_(m.weight)
+        self.names = list(names)
+        self.register_state_dict_post_hook(_drop_tables)
+        self.register_load_state_dict_pre_hook(_keep_missing)
+
+    def embfuse_views(self):
+        return [(name, TableView(self, name)) for name in self.names]
+
+    @torch.compiler.disable
+    def forward(self, ids: tuple) -> tuple:
+        device = self.collection.weights.device
+        for name, i in zip(self.names, ids):
+            if i.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"feature {name!r}: ids must be int32 or int64, got {i.dtype}")
+        dtype, bases = _index_dtype(ids, ()), _bases(ids)
+        if all(i.device.type == "cpu" for i in ids):  # one bag a feature: its offsets are the counts
+            staging = Staging([(dtype, bases[-1]), (dtype, len(ids) + 1)])
+            copy_all([(staging.host[0][a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)])
+            staging.host[1].copy_(torch.tensor(bases, dtype=dtype))
+            values, offsets = staging.to(device)
+        else:
+            values = torch.cat([i.reshape(-1).to(device, dtype) for i in ids])
+            host = torch.tensor(bases, dtype=dtype)
+            offsets = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        kjt = KeyedJaggedTensor(self.names, values, offsets=offsets, stride=1,
+                                length_per_key=[b - a for a, b in zip(bases, bases[1:])])
+        rows = self.collection(kjt)
+        D = self.collection.embedding_dim
+        return tuple(rows[n].values().view(*i.shape, D) for n, i in zip(self.names, ids))
+
+
 def _drop_tables(module, state_dict, prefix, local_metadata):
     for name in module.names:
-        state_dict.pop(f"{prefix}collection.embedding_bags.{name}.weight", None)
+        state_dict.pop(f"{prefix}collection.{module.collection._prefix}.{name}.weight", None)
 
 
 def _keep_missing(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -92,7 +152,8 @@ def _keep_missing(module, state_dict, prefix, local_metadata, strict, missing_ke
     for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
         state_dict.setdefault(key, value.detach())
     for name in module.names:
-        state_dict[f"{prefix}collection.embedding_bags.{name}.weight"] = module.collection.embedding_weight(name).detach()
+        key = f"{prefix}collection.{module.collection._prefix}.{name}.weight"
+        state_dict[key] = module.collection.embedding_weight(name).detach()
 
 
 def _batch_size(names, ids, offsets) -> int:
@@ -214,9 +275,20 @@ def batch_lookups(gm: torch.fx.GraphModule, optimizer=None, report: list[str] | 
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[list[torch.fx.Node]]] = {}
     for node in list(graph.nodes):
-        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), torch.nn.EmbeddingBag):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target),
+                                                      (torch.nn.EmbeddingBag, torch.nn.Embedding)):
             continue
         m = gm.get_submodule(node.target)
+        if isinstance(m, torch.nn.Embedding):
+            why = unbatchable_embedding(m)
+            if why is not None:
+                report.append(f"left {node.target}: {why}")
+                continue
+            runs = groups.setdefault(("embedding", m.weight.dtype, m.weight.device, m.embedding_dim), [[]])
+            if runs[-1] and not _joins(runs[-1], node, order):
+                runs.append([])
+            runs[-1].append(node)
+            continue
         why = unbatchable(m)
         weighted = _arg(node, 2, "per_sample_weights") is not None
         if why is None and weighted and m.mode != "sum":
@@ -228,10 +300,13 @@ def batch_lookups(gm: torch.fx.GraphModule, optimizer=None, report: list[str] | 
         if runs[-1] and not _joins(runs[-1], node, order):
             runs.append([])
         runs[-1].append(node)
-    count = sum(1 for n in gm.modules() if isinstance(n, LookupBatch))
-    for (_, _, weighted), runs in groups.items():
+    count = sum(1 for n in gm.modules() if isinstance(n, (LookupBatch, EmbeddingBatch)))
+    for key, runs in groups.items():
         for run in runs:
-            _rewrite(gm, run, weighted, optimizer, f"embfuse_lookups_{count}", report)
+            if key[0] == "embedding":
+                _rewrite_embeddings(gm, run, optimizer, f"embfuse_lookups_{count}", report)
+            else:
+                _rewrite(gm, run, key[2], optimizer, f"embfuse_lookups_{count}", report)
             count += 1
     gm.graph.lint()
     gm.recompile()
@@ -239,9 +314,11 @@ def batch_lookups(gm: torch.fx.GraphModule, optimizer=None, report: list[str] | 
 
 
 def _joins(run: list[torch.fx.Node], node: torch.fx.Node, order) -> bool:
-    """Whether `node` may join `run`: every input of it exists before any output of the run is used."""
+    """Whether `node` may join `run`: every input of it exists before any output of the run is used
+    (a host tensor's `.to(device)` that feeds only the lookup counts as the host tensor: the batch
+    moves it itself)."""
     first_use = min((order[u] for n in run for u in n.users), default=len(order))
-    return all(order[a] < first_use for a in node.all_input_nodes)
+    return all(order[_source(a)] < first_use for a in node.all_input_nodes)
 
 
 def _rewrite(gm, run, weighted, optimizer, name, report) -> None:
@@ -277,6 +354,26 @@ def _rewrite(gm, run, weighted, optimizer, name, report) -> None:
     report.append(f"batched {len(run)} EmbeddingBag lookups into {name}: {', '.join(names)}")
 
 
+def _rewrite_embeddings(gm, run, optimizer, name, report) -> None:
+    graph = gm.graph
+    names = [n.target for n in run]
+    gm.add_submodule(name, EmbeddingBatch(names, [gm.get_submodule(n.target) for n in run], optimizer))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_use = min((u for n in run for u in n.users), key=order.__getitem__, default=graph.output_node())
+    with graph.inserting_before(first_use):
+        out = graph.call_module(name, (tuple(_source(_arg(n, 0, "input")) for n in run),))
+    for k, node in reversed(list(enumerate(run))):
+        moves = [a for a in node.all_input_nodes if a.op == "call_method" and a.target in MOVES and len(a.users) == 1]
+        with graph.inserting_after(out):
+            piece = graph.call_function(operator.getitem, (out, k))
+        node.replace_all_uses_with(piece)
+        graph.erase_node(node)
+        for move in moves:
+            if not move.users:
+                graph.erase_node(move)
+    report.append(f"batched {len(run)} Embedding lookups into {name}: {', '.join(names)}")
+
+
 def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.Node]) -> None:
     """`torch.cat(slices, 1)`, every slice in order, is `out` itself."""
     for user in list(slices[0].users):
@@ -292,4 +389,4 @@ def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.
             graph.erase_node(piece)
 
 
-__all__ = ["LookupBatch", "batch_lookups", "unbatchable"]
+__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable", "unbatchable_embedding"]
