@@ -33,7 +33,9 @@ for f in range(F):
     ids[::50] = -1
     w = torch.rand(n, device=dev) + 0.1
     idx = torch.stack([rows, cols])
-    batches.append((torch.sparse_coo_tensor(idx, ids, (B, 20)), torch.sparse_coo_tensor(idx, w, (B, 20)),
+    # row-major with unique indices: TensorFlow's canonical SparseTensor, declared coalesced
+    batches.append((torch.sparse_coo_tensor(idx, ids, (B, 20), is_coalesced=True),
+                    torch.sparse_coo_tensor(idx, w, (B, 20), is_coalesced=True),
                     rows, ids, w, lengths))
 
 

@@ -214,3 +214,23 @@ def test_sum_keeps_zero_weights_so_their_row_is_not_empty(device):
     torch.testing.assert_close(out, torch.stack([torch.zeros(3, device=device), 2 * t[2]]))
     out = safe_embedding_lookup_sparse(t, ids, w, combiner="mean", default_id=4)  # pruned: the default
     torch.testing.assert_close(out, torch.stack([t[4], t[2]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_coalesced_input_skips_the_sort_and_pools_alike(device, combiner):
+    """A coalesced sparse tensor (sorted, unique indices: TensorFlow's canonical order) takes the
+    path without the row sort; a shuffled one with the same entries pools the same."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(40, 4, device=device, dtype=torch.float64)
+    entries = [((r, c), int(torch.randint(-1, 40, (), generator=g))) for r in range(6) for c in range(3)
+               if r != 2 and torch.rand((), generator=g) < 0.7]
+    weights = [(at, float(torch.rand((), generator=g)) + 0.1) for at, _ in entries]
+    perm = torch.randperm(len(entries), generator=g).tolist()
+    shuffled = sparse([entries[k] for k in perm], (6, 3), device)
+    shuffled_w = sparse([weights[k] for k in perm], (6, 3), device, torch.float64)
+    ordered, ordered_w = shuffled.coalesce(), shuffled_w.coalesce()
+    assert ordered.is_coalesced() and not shuffled.is_coalesced()
+    a = safe_embedding_lookup_sparse(t, shuffled, shuffled_w, combiner=combiner, default_id=5)
+    b = safe_embedding_lookup_sparse(t, ordered, ordered_w, combiner=combiner, default_id=5)
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)

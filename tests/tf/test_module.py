@@ -97,3 +97,16 @@ def test_batches_without_ids():
     assert SafeEmbeddingBag(10, 4, "sqrtn")(none).abs().sum() == 0
     empty = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long), (0, 2))
     assert SafeEmbeddingBag(10, 4)(empty).shape == (0, 4)
+
+
+def test_module_skips_the_sort_for_coalesced_input_and_pools_alike():
+    g = torch.Generator().manual_seed(4)
+    m = SafeEmbeddingBag(30, 3, "sqrtn", default_id=2)
+    idx = torch.tensor([[3, 0, 1, 0, 3], [1, 0, 0, 2, 0]])
+    ids = torch.randint(-1, 30, (5,), generator=g)
+    w = torch.rand(5, generator=g) + 0.1
+    shuffled = torch.sparse_coo_tensor(idx, ids, (5, 4))
+    shuffled_w = torch.sparse_coo_tensor(idx, w, (5, 4))
+    a = m(shuffled, shuffled_w)
+    b = m(shuffled.coalesce(), shuffled_w.coalesce())
+    torch.testing.assert_close(b, a)

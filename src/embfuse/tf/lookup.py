@@ -239,7 +239,8 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
         batch *= s
     rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
     if len(shards) == 1 and max_norm is None:
-        out = pool_one_table(shards[0], rows, ids, weights, keep, batch, combiner, default_id)
+        out = pool_one_table(shards[0], rows, ids, weights, keep, batch, combiner, default_id,
+                             ordered=sparse_ids.is_coalesced())
         return out.reshape(*shape[:-1], shards[0].shape[1])
     rows, ids = rows[keep], ids[keep]
     weights = None if weights is None else weights[keep]
@@ -258,21 +259,24 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
 
 
 def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], keep: Tensor,
-                   num_rows: int, combiner: str, default_id: Optional[int]) -> Tensor:
+                   num_rows: int, combiner: str, default_id: Optional[int], ordered: bool = False) -> Tensor:
     """safe_embedding_lookup_sparse on one table without max_norm, with no host read and a fixed
     number of launches: entries dropped by the safe rules stay, with weight 0 and id 0 (nothing is
     compacted, so no size depends on the data); the entries are put in row order (a stable sort:
     TensorFlow's own row-major order is left as it is, so positions in error messages are the
     caller's); one weighted-sum `embedding_bag` pools them (its deferred check catches ids past
     the table); rows left empty get `default_id`'s row, weight 1, from a second one-id-a-row bag
-    weighted by emptiness; mean and sqrtn divide by the kept weights' sum (of squares) plus that 1."""
+    weighted by emptiness; mean and sqrtn divide by the kept weights' sum (of squares) plus that 1.
+    `ordered`: the entries are already in row order (a coalesced sparse tensor: sorted, unique
+    indices, as TensorFlow's canonical SparseTensor), so the sort is skipped."""
     dev = ids.device
     acc = torch.float64 if table.dtype == torch.float64 else torch.float32
     w = torch.ones(ids.numel(), dtype=acc, device=dev) if weights is None else weights.to(acc)
     w = torch.where(keep, w, 0)
-    order = torch.argsort(rows, stable=True)
-    rows, w, keep = rows[order], w[order], keep[order]
-    safe_ids = torch.where(keep, ids[order], 0)
+    if not ordered:
+        order = torch.argsort(rows, stable=True)
+        rows, w, keep, ids = rows[order], w[order], keep[order], ids[order]
+    safe_ids = torch.where(keep, ids, 0)
     offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=dev))
     out = embedding_bag(safe_ids, table, offsets, mode="sum", per_sample_weights=w.to(table.dtype),
                         include_last_offset=True).to(acc)

@@ -56,9 +56,11 @@ class SafeEmbeddingBag(torch.nn.Module):
         acc = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         w = keep.to(acc) if given is None else torch.where(keep, given.to(acc), 0)
         ids = torch.where(keep, ids, 0)
-        # TensorFlow's contract is row-major order; a stable sort keeps it and makes it so
-        rows, order = torch.sort(rows, stable=True)
-        ids, w, keep = ids[order], w[order], keep[order]
+        # TensorFlow's contract is row-major order; a stable sort keeps it and makes it so (a
+        # coalesced sparse tensor is in that order already: sorted, unique indices)
+        if not sparse_ids.is_coalesced():
+            rows, order = torch.sort(rows, stable=True)
+            ids, w, keep = ids[order], w[order], keep[order]
         count = torch.zeros(N + 1, dtype=torch.int64, device=dev)
         count[1:].index_add_(0, rows, torch.ones_like(rows))
         offsets = count.cumsum(0)
