@@ -95,6 +95,8 @@ def test_eager_model(device, N, mode, affine):
     assert sum(isinstance(m, LookupBatch) for m in fast.modules()) == 1
     expected, actual = model(ids, offsets), fast(ids, offsets)
     torch.testing.assert_close(actual, expected, **TOL)
+    with torch.no_grad():  # inference: the chain in the lookup's epilogue (PooledChain) on a GPU
+        torch.testing.assert_close(fast(ids, offsets), expected, **TOL)
     expected.square().sum().backward()
     actual.square().sum().backward()
     _check_grads(model, fast)

@@ -160,3 +160,36 @@ def test_backward_inputs_kernel_matches_torch(weighted, wide_keys, pooling):
         sqrtn = P.meta[:, POOL][want[1] // B] == SQRTN
         assert torch.equal(got[2][~sqrtn], want[2][~sqrtn])
         torch.testing.assert_close(got[2][sqrtn], want[2][sqrtn], rtol=1e-6, atol=0)
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ["none", "tanh", "sigmoid", "relu"])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_layer_norm_epilogue_matches_pool_then_chain(dtype, act, affine, weighted):
+    """The pooling kernel with embfuse.ops.chain's LayerNorm + activation as its epilogue equals
+    the pooled output (rounded to the table's dtype) through the chain's float64 reference."""
+    from embfuse.ops.chain import layer_norm_act_reference
+
+    tables = [(13, 6), (9, 6), (20, 6)]
+    P = Plan(tables, [(0, "sum", 0), (1, "mean", 6), (2, "sqrtn", 12), (0, "mean", 18)], KERNEL_DEVICE)
+    B, F, D = 5, 4, 6
+    lengths = torch.randint(0, 5, (F * B,))
+    lengths[3] = 0  # an empty bag: LayerNorm of zeros is the bias
+    feats = torch.arange(F).repeat_interleave(B).repeat_interleave(lengths)
+    rows = torch.tensor([13, 9, 20, 13])[feats]
+    values = (torch.rand(feats.numel()) * rows).long().to(KERNEL_DEVICE)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
+    psw = (torch.rand(values.numel()) + 0.5).to(KERNEL_DEVICE) if weighted else None
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
+    w = (torch.rand(F, D) + 0.5).to(KERNEL_DEVICE) if affine else None
+    b = torch.randn(F, D).to(KERNEL_DEVICE) if affine else None
+    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec,
+                             sqrtn=P.sqrtn, epilogue=(w, b, 1e-5, act))
+    pooled = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta,
+                                  B, P.total_dim, P.max_dim).to(dtype).double()
+    ref = layer_norm_act_reference(pooled.view(B, F, D), None if w is None else w.double(),
+                                   None if b is None else b.double(), 1e-5, act).view(B, F * D)
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=tol, atol=tol)

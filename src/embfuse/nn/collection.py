@@ -20,7 +20,9 @@ from torch import Tensor
 from embfuse._triton import needs_op
 from embfuse.nn.modules import FusedModule
 from embfuse.ops.bags import ROW_START, bag_of_value
-from embfuse.ops.collection import Plan, embedding_bag_collection, ranked_rows, table_view
+from embfuse._triton import use_kernels
+from embfuse.ops.chain import layer_norm_act
+from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -271,6 +273,38 @@ class EmbeddingBagCollection(_Collection):
             out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B,
                                            None if check is None else check.status)
         return KeyedTensor(self.feature_names, self._dims, out)
+
+
+    def forward_layer_norm(self, features: KeyedJaggedTensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                           eps: float = 1e-5, activation: str = "none") -> Tensor:
+        """`forward(features).values()` seen as (B, F, D), through embfuse.ops.chain's
+        `layer_norm_act` (weight, bias: (F, D) or None), flattened back to (B, F * D). On a GPU,
+        for inference (no autograd), every feature D wide (D <= 256): in the pooling kernel's
+        epilogue, one launch and one write. Elsewhere: the lookup, then the chain kernel."""
+        dims = set(self._dims)
+        D = self._dims[0] if len(dims) == 1 else 0
+        recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                   for t in (self.weights, weight, bias))
+        if (recorded or self._fused_now() is not None or not use_kernels(self.weights) or not 0 < D <= 256
+                or self.weights.dtype == torch.float64):
+            x = self(features).values()
+            return layer_norm_act(x.view(x.shape[0], -1, max(dims)), weight, bias, eps, activation).flatten(1)
+        kjt = self._features(features)
+        keys, B = kjt.keys(), kjt.stride()
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and (tuple(t.shape) != (len(keys), D) or t.device != self.weights.device):
+                raise ValueError(f"{name} must be ({len(keys)}, {D}) on {self.weights.device}, got "
+                                 f"{tuple(t.shape)} on {t.device}")
+        plan = self._plan(keys, self.weights.device)
+        psw = kjt.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and psw is None:
+            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        values, offsets, psw, check = validate_collection(
+            kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
+            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=False)
+        return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
+                                  plan.layout.vec, status=None if check is None else check.status,
+                                  sqrtn=plan.sqrtn, epilogue=(weight, bias, eps, activation))
 
 
 class EmbeddingCollection(_Collection):

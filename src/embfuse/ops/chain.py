@@ -38,7 +38,7 @@ def layer_norm_act_reference(x: Tensor, weight: Optional[Tensor], bias: Optional
 
 
 @triton.jit
-def _act(z, ACT: tl.constexpr):
+def chain_activation(z, ACT: tl.constexpr):
     if ACT == 1:
         e = tl.exp(-2.0 * tl.abs(z))  # tanh without overflow
         t = (1.0 - e) / (1.0 + e)
@@ -78,7 +78,7 @@ def _layer_norm_act_fwd_kernel(x, weight, bias, y, B, N, D, eps, HAS_W: tl.const
     b0 = tl.program_id(0) * BLOCK_B
     f = tl.program_id(1)
     at, mask, _, _, z = _tile(x, weight, bias, b0, f, B, N, D, eps, HAS_W, HAS_B, BLOCK_B, BLOCK_D)
-    tl.store(y + at, _act(z, ACT).to(y.dtype.element_ty), mask=mask)
+    tl.store(y + at, chain_activation(z, ACT).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -91,10 +91,10 @@ def _layer_norm_act_bwd_kernel(dy, x, weight, bias, dx, dw_part, db_part, B, N, 
                                     BLOCK_D)
     g = tl.load(dy + at, mask=mask, other=0.0).to(tl.float32)
     if ACT == 1:
-        t = _act(z, ACT)
+        t = chain_activation(z, ACT)
         g = g * (1.0 - t * t)
     if ACT == 2:
-        s = _act(z, ACT)
+        s = chain_activation(z, ACT)
         g = g * s * (1.0 - s)
     if ACT == 3:
         g = tl.where(z > 0, g, 0.0)

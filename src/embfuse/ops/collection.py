@@ -20,6 +20,7 @@ from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, trit
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, SQRTN, accumulation, backward_inputs,
                               backward_inputs_reference, bag_norms_reference, guard_bags, pool_bag, pool_norm)
+from embfuse.ops.chain import ACTIVATIONS, chain_activation
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
 
@@ -111,9 +112,10 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 
 @triton.jit
 def _collection_fwd_kernel(
-    weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m,
+    weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
     HAS_PSW: tl.constexpr, SQ: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVICT: tl.constexpr, VEC: tl.constexpr,
+    EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_LW: tl.constexpr,
+    HAS_LB: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
@@ -140,23 +142,42 @@ def _collection_fwd_kernel(
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:
             result = result / pool_norm(pool, count, sumsq)
+        if EPILOGUE:  # ops/chain.py's LayerNorm + activation on the pooled row, before the write
+            # (every feature D wide, all of D in this program; the affine's row is the feature's)
+            x = tl.where(cmask, result.to(out.dtype.element_ty).to(tl.float32), 0.0)
+            mean = tl.sum(x, axis=0) / D
+            diff = tl.where(cmask, x - mean, 0.0)
+            z = diff / tl.sqrt(tl.sum(diff * diff, axis=0) / D + eps)
+            if HAS_LW:
+                z = z * tl.load(ln_w + f * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_LB:
+                z = z + tl.load(ln_b + f * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            result = chain_activation(z, ACT)
         b = g - f * B
         tl.store(out + b * stride_o + col + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None,
-                       sqrtn=True):
+                       sqrtn=True, epilogue=None):
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
     `config`: launch-shape overrides for sweeps (tuning.bag_shape); `sqrtn`: Plan's (some feature
-    is sqrtn: weighted bags then sum their squared weights)."""
+    is sqrtn: weighted bags then sum their squared weights). `epilogue`: (ln_weight (F, D) or
+    None, ln_bias or None, eps, activation): every feature D wide (D <= 256), and each pooled row
+    leaves through embfuse.ops.chain's LayerNorm + activation, in the same program."""
     F = meta.shape[0]
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
         return out
     cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing())
+    ln_w, ln_b, eps, act = epilogue if epilogue is not None else (None, None, 0.0, "none")
+    if epilogue is not None and (cfg["BLOCK_D"] < max_dim or total_dim != F * max_dim):
+        raise ValueError(f"a LayerNorm epilogue needs every feature {max_dim} wide and at most 256 wide")
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
-        meta, out, B, out.stride(0), meta.stride(0), HAS_PSW=psw is not None, SQ=psw is not None and sqrtn, STATUS=status is not None, VEC=vec, **cfg)
+        meta, out, B, out.stride(0), meta.stride(0), ln_w if ln_w is not None else weights,
+        ln_b if ln_b is not None else weights, float(eps), HAS_PSW=psw is not None, SQ=psw is not None and sqrtn,
+        STATUS=status is not None, VEC=vec, EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
+        HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)
     return out
 
 

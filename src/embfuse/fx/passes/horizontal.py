@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import embfuse.ops.chain as chain_module
-from embfuse.fx.passes.lookups import CATS
+from embfuse.fx.passes.lookups import CATS, LookupBatch
 from embfuse.fx.views import RowView, drop_own_keys, keep_own_keys
 from embfuse.ops.chain import ACTIVATIONS as KERNEL_ACTIVATIONS, layer_norm_act
 
@@ -167,6 +167,50 @@ class FusedChain(torch.nn.Module):
         return y.flatten(1)
 
 
+class PooledChain(torch.nn.Module):
+    """A LookupBatch whose whole output goes through a FusedChain of LayerNorm + one activation:
+    under autograd the two as they are; for inference one kernel (the chain in the pooling
+    kernel's epilogue: EmbeddingBagCollection.forward_layer_norm)."""
+
+    def __init__(self, batch: LookupBatch, chain: "FusedChain"):
+        super().__init__()
+        self.batch, self.chain = batch, chain
+
+    def embfuse_views(self):
+        return []  # (its two modules show their own)
+
+    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return self.chain(self.batch(ids, offsets, weights))
+        eps, act = _one_op(self.chain.ops)
+        return _pooled_chain(self.batch, self.chain, ids, offsets, weights, eps, act)
+
+
+@torch.compiler.disable
+def _pooled_chain(batch, chain, ids, offsets, weights, eps, act):
+    return batch.collection.forward_layer_norm(batch.features(ids, offsets, weights), getattr(chain, "weight_0", None),
+                                               getattr(chain, "bias_0", None), eps, act)
+
+
+def _into_the_lookup(gm: torch.fx.GraphModule, out: torch.fx.Node, x: torch.fx.Node, report: list[str]) -> None:
+    """`out = chain(x)`, x a LookupBatch call used by nothing else: both become one PooledChain."""
+    if out.op != "call_module" or x.op != "call_module" or len(x.users) != 1:
+        return
+    batch, chain = gm.get_submodule(x.target), gm.get_submodule(out.target)
+    if not isinstance(batch, LookupBatch) or not isinstance(chain, FusedChain) or _one_op(chain.ops) is None:
+        return
+    name = f"embfuse_pooled_{sum(isinstance(m, PooledChain) for m in gm.modules())}"
+    gm.add_submodule(name, PooledChain(batch, chain))
+    with gm.graph.inserting_before(out):
+        merged = gm.graph.call_module(name, x.args)
+    out.replace_all_uses_with(merged)
+    gm.graph.erase_node(out)
+    gm.graph.erase_node(x)
+    for target in (out.target, x.target):  # (top-level names: the PooledChain holds them now)
+        delattr(gm, target)
+    report.append(f"fused the chain into {x.target}'s pooling kernel for inference ({name})")
+
+
 def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -> torch.fx.GraphModule:
     """Rewrite every matching cat-of-chains in `gm` (module docstring). Returns `gm`, recompiled."""
     report = [] if report is None else report
@@ -211,11 +255,16 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
         dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
         for node in dead:
             graph.erase_node(node)
+        splits = {r.args[0] for r in roots if r.target is operator.getitem}
         for root in roots:
             if not root.users:
                 graph.erase_node(root)
+        for split in splits:
+            if not split.users:
+                graph.erase_node(split)
         report.append(f"fused {N} chains of {' -> '.join(k for k, _, _ in chains[0][1])} over {N} x {D} "
                       f"into one")
+        _into_the_lookup(gm, out, x, report)
     split_nodes = [n for n in graph.nodes if _is_split(n) and not n.users]
     for n in split_nodes:
         graph.erase_node(n)

@@ -87,6 +87,10 @@ class LookupBatch(torch.nn.Module):
 
     @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
     def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
+        return self.collection(self.features(ids, offsets, weights)).values()
+
+    def features(self, ids: tuple, offsets: tuple, weights: tuple) -> KeyedJaggedTensor:
+        """forward's inputs as one KeyedJaggedTensor on the collection's device."""
         device = self.collection.weights.device
         B = _batch_size(self.names, ids, offsets)
         parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
@@ -94,8 +98,7 @@ class LookupBatch(torch.nn.Module):
             values, offs, psw = _stage(self.names, ids, offsets, weights if self.weighted else None, B, device)
         else:
             values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
-        kjt = KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
-        return self.collection(kjt).values()
+        return KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
 
 
 class EmbeddingBatch(torch.nn.Module):
