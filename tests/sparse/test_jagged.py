@@ -224,3 +224,31 @@ def test_record_stream_reaches_every_tensor():
     side = torch.cuda.Stream()
     kjt.record_stream(side)  # (no error: each part is a CUDA tensor the allocator now ties to `side`)
     assert kjt.size_in_bytes() == 3 * 8 + 3 * 4 + 2 * 8 + 3 * 8
+
+
+def test_padded_dense_views_of_a_jagged_tensor():
+    jt = JaggedTensor(torch.tensor([5, 6, 7, 8]), weights=torch.tensor([0.5, 1.5, 2.5, 3.5]),
+                      lengths=torch.tensor([2, 0, 1, 1]))
+    assert torch.equal(jt.to_padded_dense(), torch.tensor([[5, 6], [0, 0], [7, 0], [8, 0]]))
+    assert torch.equal(jt.to_padded_dense(desired_length=1, padding_value=-1), torch.tensor([[5], [-1], [7], [8]]))
+    assert torch.equal(jt.to_padded_dense_weights(3, 9.0),
+                       torch.tensor([[0.5, 1.5, 9.0], [9.0, 9.0, 9.0], [2.5, 9.0, 9.0], [3.5, 9.0, 9.0]]))
+    assert [w.tolist() for w in jt.to_dense_weights()] == [[0.5, 1.5], [], [2.5], [3.5]]
+    plain = JaggedTensor(torch.arange(6).view(3, 2), lengths=torch.tensor([0, 3]))  # rows of values
+    assert plain.to_dense_weights() is None and plain.to_padded_dense_weights() is None
+    assert torch.equal(plain.to_padded_dense(2), torch.tensor([[[0, 0], [0, 0]], [[0, 1], [2, 3]]]))
+
+
+def test_string_forms_are_torchrecs():
+    jt = JaggedTensor(torch.tensor([1.0, 2.0, 3.0]), lengths=torch.tensor([2, 0, 1]))
+    assert str(jt) == "JaggedTensor({\n    [[1.0, 2.0], [], [3.0]]\n})\n"
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), weights=torch.tensor([0.5, 1.0, 2.0]),
+                            lengths=torch.tensor([1, 1, 0, 1]))
+    assert str(kjt) == ('KeyedJaggedTensor({\n    "a": {\n        "values": [[1], [2]],\n        "weights": '
+                        '[[0.5], [1.0]]\n    },\n    "b": {\n        "values": [[], [3]],\n        "weights": '
+                        '[[], [2.0]]\n    }\n})\n')
+    assert str(KeyedJaggedTensor([], torch.tensor([]))) == "KeyedJaggedTensor()\n"  # no lengths: no bags
+    kt = KeyedTensor(["x", "y"], [1, 2], torch.tensor([[1.0, 2.0, 3.0]]))
+    assert str(kt) == 'KeyedTensor({\n    "x": [[1.0]],\n    "y": [[2.0, 3.0]]\n})\n'
+    with pytest.raises(ValueError, match="needs lengths or offsets"):
+        KeyedJaggedTensor(["a"], torch.tensor([1]))

@@ -33,7 +33,9 @@ class _Jagged:
         where offsets live on the host, that they start at 0 and never decrease."""
         kind = type(self).__name__
         if lengths is None and offsets is None:
-            raise ValueError(f"a {kind} needs lengths or offsets")
+            if values.dim() < 1 or values.shape[0]:
+                raise ValueError(f"a {kind} needs lengths or offsets")
+            lengths = torch.empty(0, dtype=torch.int32, device=values.device)  # no values, no bags (TorchRec's)
         for name, t in (("lengths", lengths), ("offsets", offsets)):
             if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
                 raise TypeError(f"{kind}: {name} must be integers, got {t.dtype}")
@@ -44,9 +46,9 @@ class _Jagged:
         if weights is not None:
             if not weights.is_floating_point():
                 raise TypeError(f"{kind}: weights must be floating point, got {weights.dtype}")
-            if weights.shape != values.shape[:1]:
+            if weights.shape[:1] != values.shape[:1]:
                 raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
-                                 f"{tuple(values.shape)} (one weight a value)")
+                                 f"{tuple(values.shape)} (one weight a value, or a row a row of values)")
         if offsets is not None and offsets.device.type == "cpu" and offsets.numel():
             dec = (offsets[1:] < offsets[:-1]).nonzero()
             if int(offsets[0]) != 0 or dec.numel():
@@ -97,6 +99,28 @@ class _Jagged:
             t.record_stream(stream)
 
 
+def _samples(jt: "JaggedTensor", indent: str) -> str:
+    """A JaggedTensor's samples as lists, TorchRec's `str` layout (values alone, or values and weights)."""
+    values = [v.tolist() for v in jt.to_dense()]
+    weights = jt.to_dense_weights()
+    if weights is None:
+        return f"{indent}{values}"
+    return f'{indent}"values": {values},\n{indent}"weights": {[w.tolist() for w in weights]}'
+
+
+def _padded(t: Tensor, offsets: Tensor, lengths: Tensor, length: Optional[int], pad: float) -> Tensor:
+    B = lengths.numel()
+    if length is None:
+        length = int(lengths.max()) if B else 0
+    lengths = lengths.long()
+    bag = torch.repeat_interleave(torch.arange(B, device=t.device), lengths)
+    pos = torch.arange(bag.numel(), device=t.device) - offsets.long()[:-1].repeat_interleave(lengths)
+    keep = pos < length
+    out = torch.full((B, length, *t.shape[1:]), pad, dtype=t.dtype, device=t.device)
+    out[bag[keep], pos[keep]] = t[:bag.numel()][keep]
+    return out
+
+
 class JaggedTensor(_Jagged):
     """One feature's bags: values[offsets[b]:offsets[b+1]] is sample b's list (and weights)."""
 
@@ -107,6 +131,22 @@ class JaggedTensor(_Jagged):
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample."""
         return list(torch.split(self._values, self._lengths.tolist()))
+
+    def to_dense_weights(self) -> Optional[list[Tensor]]:
+        """One weights tensor per sample (None without weights)."""
+        return None if self._weights is None else list(torch.split(self._weights, self._lengths.tolist()))
+
+    def to_padded_dense(self, desired_length: Optional[int] = None, padding_value: float = 0.0) -> Tensor:
+        """(B, L, ...): sample b's values in row b, cut or padded with `padding_value` to L =
+        `desired_length` (default: the longest sample, a host read)."""
+        return _padded(self._values, self.offsets(), self._lengths, desired_length, padding_value)
+
+    def to_padded_dense_weights(self, desired_length: Optional[int] = None,
+                                padding_value: float = 0.0) -> Optional[Tensor]:
+        """to_padded_dense of the weights (None without weights)."""
+        if self._weights is None:
+            return None
+        return _padded(self._weights, self.offsets(), self._lengths, desired_length, padding_value)
 
     @staticmethod
     def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
@@ -132,6 +172,10 @@ class JaggedTensor(_Jagged):
 
     def __repr__(self) -> str:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
+
+    def __str__(self) -> str:
+        """TorchRec's layout: each sample's values as a list (and weights, when there are)."""
+        return f"JaggedTensor({{\n{_samples(self, '    ')}\n}})\n"
 
 
 class KeyedJaggedTensor(_Jagged):
@@ -407,6 +451,16 @@ class KeyedJaggedTensor(_Jagged):
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values}, "
                 f"lengths={self._lengths}, weights={self._weights})")
 
+    def __str__(self) -> str:
+        """TorchRec's layout: per key, each sample's values (and weights) as lists."""
+        if not self._keys:
+            return "KeyedJaggedTensor()\n"
+        parts = []
+        for key, jt in zip(self._keys, self._per_key()):
+            body = _samples(jt, "        ")
+            parts.append(f'    "{key}": ' + (f"{{\n{body}\n    }}" if jt.weights_or_none() is not None else body.strip()))
+        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
+
 
 class KeyedTensor:
     """Pooled outputs of several features side by side: values (B, sum of widths)."""
@@ -481,3 +535,10 @@ class KeyedTensor:
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
+
+    def __str__(self) -> str:
+        """TorchRec's layout: each key's block as nested lists."""
+        if not self._keys:
+            return "KeyedTensor()\n"
+        blocks = ",\n".join(f'    "{k}": {v.tolist()}' for k, v in self.to_dict().items())
+        return f"KeyedTensor({{\n{blocks}\n}})\n"
