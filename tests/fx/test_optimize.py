@@ -480,3 +480,52 @@ def test_embedding_lookups_are_batched_by_width(device):
                                        getattr(model, name).weight - 0.1 * getattr(model, name).weight.grad, **TOL)
     fast.load_state_dict(model.state_dict())
     torch.testing.assert_close(fast.get_submodule("candidate").weight, model.candidate.weight, rtol=0, atol=0)
+
+
+class Dependent(nn.Module):
+    """The second lookup's ids come from the first lookup's output: they cannot share a batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(10, 4, mode="sum")
+        self.b = nn.EmbeddingBag(10, 4, mode="sum")
+        self.c = nn.EmbeddingBag(10, 4, mode="sum", include_last_offset=True)
+
+    def forward(self, ids, offsets, offsets_c):
+        x = self.a(ids, offsets)
+        derived = (x.abs().sum(1) * 1000).long() % 10
+        y = self.b(derived, offsets)
+        z = self.c(ids, offsets_c)
+        return x + y + z
+
+
+def test_dependent_lookups_get_their_own_batches_and_unbatchable_ones_stay():
+    model = Dependent()
+    args = torch.tensor([1, 2, 3]), torch.tensor([0, 2, 2]), torch.tensor([0, 2, 2, 3])
+    fast = embfuse.fx.optimize(model, args)
+    report = " ".join(fast.embfuse_report)
+    assert report.count("batched 1 EmbeddingBag") == 2, report
+    assert "left c: include_last_offset=True" in report
+    torch.testing.assert_close(fast(*args), model(*args), **TOL)
+
+
+class Moves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, y, z):
+        a = x.to("cpu")
+        b = y.to(device=self.lin.weight.device)
+        c = z.to(torch.float64)  # a dtype change: not a move, left alone
+        return self.lin(a + b).sum() + c.sum()
+
+
+def test_combine_copies_takes_device_moves_only():
+    model = Moves()
+    args = (torch.randn(2, 3), torch.randn(2, 3), torch.randn(4))
+    gm = embfuse.fx.passes.combine_copies(embfuse.fx.trace_model(model, args))
+    combined = [n for n in gm.graph.nodes if n.target is copy_to_device]
+    assert len(combined) == 2, gm.code  # "cpu" and the weight's device: two targets, a copy each
+    assert any(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes)  # the dtype change
+    torch.testing.assert_close(gm(*args), model(*args))
