@@ -529,3 +529,25 @@ def test_combine_copies_takes_device_moves_only():
     assert len(combined) == 2, gm.code  # "cpu" and the weight's device: two targets, a copy each
     assert any(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes)  # the dtype change
     torch.testing.assert_close(gm(*args), model(*args))
+
+
+class DictInputs(nn.Module):
+    """A batch as a dict of per-feature tensors, as data loaders often give it."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        self.embs = nn.ModuleDict({n: nn.EmbeddingBag(40, 4, mode="mean") for n in names})
+
+    def forward(self, batch):
+        return torch.cat([self.embs[n](batch[n]["ids"], batch[n]["offsets"]) for n in self.names], 1)
+
+
+def test_dict_batches_trace_and_batch():
+    names = ["user", "item", "genre"]
+    model = DictInputs(names)
+    ids, offsets = eager_batch([40] * 3, 5, 3)
+    batch = {n: {"ids": i, "offsets": o} for n, i, o in zip(names, ids, offsets)}
+    fast = embfuse.fx.optimize(model, (batch,))
+    assert any(r.startswith("batched 3") for r in fast.embfuse_report)
+    torch.testing.assert_close(fast(batch), model(batch), **TOL)
