@@ -143,26 +143,6 @@ def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tenso
     return w
 
 
-def _combine(shards: list[Tensor], rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int,
-             combiner: str, partition_strategy: str, max_norm: Optional[float]) -> Tensor:
-    """Pool ids (rows[k] the output row of ids[k]) by `combiner`: (num_rows, D)."""
-    dev, table = ids.device, shards[0]
-    if len(shards) == 1 and max_norm is None and bool((rows[1:] >= rows[:-1]).all()):
-        # rows in order (TensorFlow's): CSR bags and embfuse's pooled lookup; ids already checked
-        offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=dev))
-        w = None if weights is None else weights.to(table.dtype)
-        mode = "sum" if combiner == "sum" or (combiner == "mean" and w is not None) else combiner
-        out = embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=w, include_last_offset=True,
-                            bounds_check="off")
-        if combiner == "mean" and w is not None:  # TensorFlow's weighted mean: over the weights' sum
-            acc = torch.float64 if table.dtype == torch.float64 else torch.float32
-            total = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, w.to(acc))
-            out = torch.where(total[:, None] != 0, out.to(acc) / torch.where(total != 0, total, 1)[:, None], 0)
-            out = out.to(table.dtype)
-        return out
-    return combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
-
-
 def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm):
     """The composed form (what TensorFlow's graph does): gather, clip, weight, segment sums,
     divide where the divisor is not 0. Accumulates in fp32 (fp64 for fp64 tables)."""
@@ -203,7 +183,10 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     _check_ids(ids, _total_rows(shards, partition_strategy), "embedding_lookup_sparse")
     rows = indices[0].contiguous()
     num_rows = int(rows.max()) + 1 if rows.numel() else 0
-    return _combine(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
+    if len(shards) == 1 and max_norm is None:  # every entry kept, ids checked above
+        return pool_one_table(shards[0], rows, ids, weights, torch.ones_like(ids, dtype=torch.bool), num_rows,
+                              combiner, None, ordered=sp_ids.is_coalesced(), checked=True)
+    return combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
 
 
 def safe_entries(indices: Tensor, ids: Tensor, shape, weights: Optional[Tensor], combiner: str):
@@ -259,7 +242,8 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
 
 
 def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], keep: Tensor,
-                   num_rows: int, combiner: str, default_id: Optional[int], ordered: bool = False) -> Tensor:
+                   num_rows: int, combiner: str, default_id: Optional[int], ordered: bool = False,
+                   checked: bool = False) -> Tensor:
     """safe_embedding_lookup_sparse on one table without max_norm, with no host read and a fixed
     number of launches: entries dropped by the safe rules stay, with weight 0 and id 0 (nothing is
     compacted, so no size depends on the data); the entries are put in row order (a stable sort:
@@ -268,7 +252,8 @@ def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[T
     the table); rows left empty get `default_id`'s row, weight 1, from a second one-id-a-row bag
     weighted by emptiness; mean and sqrtn divide by the kept weights' sum (of squares) plus that 1.
     `ordered`: the entries are already in row order (a coalesced sparse tensor: sorted, unique
-    indices, as TensorFlow's canonical SparseTensor), so the sort is skipped."""
+    indices, as TensorFlow's canonical SparseTensor), so the sort is skipped. `checked`: the
+    caller has checked the ids already (the pooling checks them otherwise)."""
     dev = ids.device
     acc = torch.float64 if table.dtype == torch.float64 else torch.float32
     w = torch.ones(ids.numel(), dtype=acc, device=dev) if weights is None else weights.to(acc)
@@ -279,7 +264,7 @@ def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[T
     safe_ids = torch.where(keep, ids, 0)
     offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=dev))
     out = embedding_bag(safe_ids, table, offsets, mode="sum", per_sample_weights=w.to(table.dtype),
-                        include_last_offset=True).to(acc)
+                        include_last_offset=True, bounds_check="off" if checked else "deferred").to(acc)
     kept = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, keep.to(acc))  # (sum keeps weights 0)
     empty = (kept == 0).to(acc)
     if default_id is not None:
