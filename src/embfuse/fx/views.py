@@ -12,15 +12,12 @@ from torch import Tensor
 
 
 class _View(torch.nn.Module):
-    """Subclasses say what the view shows: `_tensors()`, name -> a view of the owner's tensor.
+    """Subclasses say what the view shows in `_tensors()`: name -> a view of the owner's tensor.
     The owner is held in a list, so that it is not registered twice (it is a module elsewhere)."""
 
     def __init__(self, owner: torch.nn.Module):
         super().__init__()
         self._owner = [owner]
-
-    def _tensors(self) -> dict[str, Tensor]:
-        raise NotImplementedError
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, t in self._tensors().items():
@@ -80,29 +77,25 @@ class RowView(_View):
         return self._row("bias")
 
 
-def drop_own_keys(names):
-    """A state_dict post-hook: the owner's combined tensors `names` leave its state_dict (the
-    views save them under the original keys)."""
+def hide_shown(owner: torch.nn.Module) -> None:
+    """Keep `owner`'s shown tensors out of its state_dict (its views save them under the original
+    keys), and let a checkpoint without them (an eager model's) load: what it lacks of `owner`'s
+    own state keeps its current value. `owner._shown()`: key (below the owner) -> the tensor a
+    view shows."""
+    owner.register_state_dict_post_hook(_drop_shown)
+    owner.register_load_state_dict_pre_hook(_keep_current)
 
-    def hook(module, state_dict, prefix, local_metadata):
-        for name in names(module):
-            state_dict.pop(prefix + name, None)
-    return hook
+
+def _drop_shown(module, state_dict, prefix, local_metadata):
+    for key in module._shown():
+        state_dict.pop(prefix + key, None)
 
 
-def keep_own_keys(names):
-    """The matching load pre-hook: the owner's keys absent from the checkpoint (all of them, in an
-    eager model's) keep their current values; the views then load the originals' keys. `names`
-    are parameters or buffers of the owner."""
-
-    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        current = dict(module.named_parameters())
-        current.update(dict(module.named_buffers()))
-        for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
-            state_dict.setdefault(key, value.detach())
-        for name in names(module):
-            state_dict[prefix + name] = current[name].detach()
-    return hook
+def _keep_current(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
+        state_dict.setdefault(key, value.detach())
+    for key, t in module._shown().items():  # (the views load the checkpoint's values after this)
+        state_dict[prefix + key] = t.detach()
 
 
 def restore_names(gm: torch.fx.GraphModule) -> None:

@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import embfuse.ops.chain as chain_module
 from embfuse.fx.passes.lookups import CATS, LookupBatch
-from embfuse.fx.views import RowView, drop_own_keys, keep_own_keys
+from embfuse.fx.views import RowView, hide_shown
 from embfuse.ops.chain import ACTIVATIONS as KERNEL_ACTIVATIONS, layer_norm_act
 
 ACTIVATIONS = {
@@ -122,10 +122,6 @@ def _one_op(ops):
     return None
 
 
-def _own_parameters(module: torch.nn.Module) -> list[str]:
-    return [n for n, _ in module.named_parameters(recurse=False)]
-
-
 class FusedChain(torch.nn.Module):
     """N features' chains as one: forward(x (B, N * D)) applies `ops` to x viewed as (B, N, D)
     (LayerNorm + one activation: the fused kernel of embfuse.ops.chain).
@@ -141,8 +137,10 @@ class FusedChain(torch.nn.Module):
                 if getattr(modules[0], kind) is not None:
                     stacked = torch.stack([getattr(m, kind).detach() for m in modules]).clone()
                     self.register_parameter(f"{kind}_{k}", torch.nn.Parameter(stacked))
-        self.register_state_dict_post_hook(drop_own_keys(_own_parameters))
-        self.register_load_state_dict_pre_hook(keep_own_keys(_own_parameters))
+        hide_shown(self)
+
+    def _shown(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters(recurse=False))
 
     def embfuse_views(self):
         return [(path, RowView(self, k, i)) for k, paths in self.norms.items() for i, path in enumerate(paths)]

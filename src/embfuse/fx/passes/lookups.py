@@ -23,7 +23,7 @@ import torch.fx
 from torch import Tensor
 
 from embfuse.fx.staging import Staging, copy_all
-from embfuse.fx.views import TableView
+from embfuse.fx.views import TableView, hide_shown
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.ops.errors import BadBatchError
 from embfuse.sparse.jagged import KeyedJaggedTensor
@@ -33,57 +33,59 @@ CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
 def unbatchable(m: torch.nn.Module) -> str | None:
-    """Why the lookup of `m` cannot join a collection, or None when it can."""
-    if type(m) is not torch.nn.EmbeddingBag:
-        return f"{type(m).__name__} is not a plain torch.nn.EmbeddingBag"
-    for name, ok in (("mode", m.mode in ("sum", "mean")), ("max_norm", m.max_norm is None),
-                     ("padding_idx", m.padding_idx is None), ("scale_grad_by_freq", not m.scale_grad_by_freq),
-                     ("include_last_offset", not m.include_last_offset)):
+    """Why the lookup of `m` (an nn.EmbeddingBag or nn.Embedding) cannot join a collection, or
+    None when it can."""
+    bag = isinstance(m, torch.nn.EmbeddingBag)
+    kind = torch.nn.EmbeddingBag if bag else torch.nn.Embedding
+    if type(m) is not kind:
+        return f"{type(m).__name__} is not a plain torch.nn.{kind.__name__}"
+    options = [("max_norm", m.max_norm is None), ("padding_idx", m.padding_idx is None),
+               ("scale_grad_by_freq", not m.scale_grad_by_freq)]
+    if bag:
+        options = [("mode", m.mode in ("sum", "mean"))] + options + [("include_last_offset", not m.include_last_offset)]
+    for name, ok in options:
         if not ok:
-            return f"{name}={getattr(m, name)!r} is not batched (a collection pools sum or mean only)"
+            return f"{name}={getattr(m, name)!r} is not batched" + (" (a collection pools sum or mean only)" if bag else "")
     if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"a {m.weight.dtype} table is not batched"
     return None
 
 
-def unbatchable_embedding(m: torch.nn.Module) -> str | None:
-    """Why the lookup of an nn.Embedding `m` cannot join a collection, or None when it can."""
-    if type(m) is not torch.nn.Embedding:
-        return f"{type(m).__name__} is not a plain torch.nn.Embedding"
-    for name, ok in (("max_norm", m.max_norm is None), ("padding_idx", m.padding_idx is None),
-                     ("scale_grad_by_freq", not m.scale_grad_by_freq)):
-        if not ok:
-            return f"{name}={getattr(m, name)!r} is not batched"
-    if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"a {m.weight.dtype} table is not batched"
-    return None
+class _Batch(torch.nn.Module):
+    """What both batches share: the collection holding copies of the modules' tables, the
+    features' names, TableViews at the modules' paths, and a state_dict without the tables
+    (the views hold them) whose optimizer state an eager model's checkpoint leaves as it is."""
 
-
-class LookupBatch(torch.nn.Module):
-    """Pooled lookups of several features, one table each, as one EmbeddingBagCollection call.
-    forward(ids, offsets, weights): per feature, torch's EmbeddingBag inputs (2-D ids and no
-    offsets, or 1-D ids with B offsets; weights or None), on the host or the device. Returns the
-    (B, sum of widths) pooled output in feature order.
-
-    Its state_dict holds no tables (their TableViews do) and the optimizer state; loading a
-    checkpoint without optimizer state (an eager model's) keeps the current one."""
-
-    def __init__(self, names: list[str], modules: list[torch.nn.EmbeddingBag], weighted: bool, optimizer=None):
+    def __init__(self, names: list[str], modules: list[torch.nn.Module], collection):
         super().__init__()
-        w = modules[0].weight
-        tables = [EmbeddingBagConfig(m.num_embeddings, m.embedding_dim, name=n, feature_names=[n],
-                                     data_type=w.dtype, pooling=m.mode) for n, m in zip(names, modules)]
-        self.collection = EmbeddingBagCollection(tables, is_weighted=weighted, device=w.device, optimizer=optimizer)
+        self.collection = collection
         with torch.no_grad():
-            for view, m in zip(self.collection.table_weights(), modules):
+            for view, m in zip(collection.table_weights(), modules):
                 view.copy_(m.weight)
         self.names = list(names)
-        self.weighted = weighted
-        self.register_state_dict_post_hook(_drop_tables)
-        self.register_load_state_dict_pre_hook(_keep_missing)
+        hide_shown(self)
+
+    def _shown(self) -> dict[str, Tensor]:
+        return {f"collection.{self.collection._prefix}.{n}.weight": self.collection.embedding_weight(n)
+                for n in self.names}
 
     def embfuse_views(self):
         return [(name, TableView(self, name)) for name in self.names]
+
+
+class LookupBatch(_Batch):
+    """Pooled lookups of several features, one table each, as one EmbeddingBagCollection call.
+    forward(ids, offsets, weights): per feature, torch's EmbeddingBag inputs (2-D ids and no
+    offsets, or 1-D ids with B offsets; weights or None), on the host or the device. Returns the
+    (B, sum of widths) pooled output in feature order."""
+
+    def __init__(self, names: list[str], modules: list[torch.nn.EmbeddingBag], weighted: bool, optimizer=None):
+        w = modules[0].weight
+        tables = [EmbeddingBagConfig(m.num_embeddings, m.embedding_dim, name=n, feature_names=[n],
+                                     data_type=w.dtype, pooling=m.mode) for n, m in zip(names, modules)]
+        super().__init__(names, modules, EmbeddingBagCollection(tables, is_weighted=weighted, device=w.device,
+                                                                optimizer=optimizer))
+        self.weighted = weighted
 
     @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
     def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
@@ -101,26 +103,16 @@ class LookupBatch(torch.nn.Module):
         return KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
 
 
-class EmbeddingBatch(torch.nn.Module):
+class EmbeddingBatch(_Batch):
     """Plain lookups of several features, one table each (one width), as one EmbeddingCollection
     call: forward(ids) takes one ids tensor a feature (any shape, host or device) and returns
-    each feature's rows, ids.shape + (D,). State as LookupBatch's."""
+    each feature's rows, ids.shape + (D,)."""
 
     def __init__(self, names: list[str], modules: list[torch.nn.Embedding], optimizer=None):
-        super().__init__()
         w = modules[0].weight
         tables = [EmbeddingConfig(m.num_embeddings, m.embedding_dim, name=n, feature_names=[n], data_type=w.dtype)
                   for n, m in zip(names, modules)]
-        self.collection = EmbeddingCollection(tables, device=w.device, optimizer=optimizer)
-        with torch.no_grad():
-            for view, m in zip(self.collection.table_weights(), modules):
-                view.copy_(m.weight)
-        self.names = list(names)
-        self.register_state_dict_post_hook(_drop_tables)
-        self.register_load_state_dict_pre_hook(_keep_missing)
-
-    def embfuse_views(self):
-        return [(name, TableView(self, name)) for name in self.names]
+        super().__init__(names, modules, EmbeddingCollection(tables, device=w.device, optimizer=optimizer))
 
     @torch.compiler.disable
     def forward(self, ids: tuple) -> tuple:
@@ -143,20 +135,6 @@ class EmbeddingBatch(torch.nn.Module):
         rows = self.collection(kjt)
         D = self.collection.embedding_dim
         return tuple(rows[n].values().view(*i.shape, D) for n, i in zip(self.names, ids))
-
-
-def _drop_tables(module, state_dict, prefix, local_metadata):
-    for name in module.names:
-        state_dict.pop(f"{prefix}collection.{module.collection._prefix}.{name}.weight", None)
-
-
-def _keep_missing(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    # the tables load through their TableViews; state absent from the checkpoint stays as it is
-    for key, value in module.state_dict(prefix=prefix, keep_vars=True).items():
-        state_dict.setdefault(key, value.detach())
-    for name in module.names:
-        key = f"{prefix}collection.{module.collection._prefix}.{name}.weight"
-        state_dict[key] = module.collection.embedding_weight(name).detach()
 
 
 def _batch_size(names, ids, offsets) -> int:
@@ -283,7 +261,7 @@ def batch_lookups(gm: torch.fx.GraphModule, optimizer=None, report: list[str] | 
             continue
         m = gm.get_submodule(node.target)
         if isinstance(m, torch.nn.Embedding):
-            why = unbatchable_embedding(m)
+            why = unbatchable(m)
             if why is not None:
                 report.append(f"left {node.target}: {why}")
                 continue
@@ -392,4 +370,4 @@ def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.
             graph.erase_node(piece)
 
 
-__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable", "unbatchable_embedding"]
+__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable"]
