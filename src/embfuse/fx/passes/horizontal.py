@@ -146,23 +146,29 @@ class FusedChain(torch.nn.Module):
         return [(path, RowView(self, k, i)) for k, paths in self.norms.items() for i, path in enumerate(paths)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = as_blocks(x, self.N, self.D)
-        one = _one_op(self.ops)
-        if one is not None:
-            return layer_norm_act(y, getattr(self, "weight_0", None), getattr(self, "bias_0", None), *one).flatten(1)
-        for k, (kind, settings) in enumerate(self.ops):
-            if kind == "layer_norm":
-                y = F.layer_norm(y, (self.D,), None, None, settings[0])
-                weight, bias = getattr(self, f"weight_{k}", None), getattr(self, f"bias_{k}", None)
-                if weight is not None:
-                    y = torch.addcmul(bias, y, weight) if bias is not None else y * weight
-                elif bias is not None:
-                    y = y + bias
-            elif kind == "gelu":
-                y = F.gelu(y, approximate=settings[0])
-            else:
-                y = APPLY[kind](y)
-        return y.flatten(1)
+        K = range(len(self.ops))
+        return run_ops(as_blocks(x, self.N, self.D), self.ops, [getattr(self, f"weight_{k}", None) for k in K],
+                       [getattr(self, f"bias_{k}", None) for k in K]).flatten(1)
+
+
+def run_ops(y: torch.Tensor, ops, weights, biases) -> torch.Tensor:
+    """The chain `ops` [(kind, settings)] on y (B, N, D); weights[k] / biases[k]: LayerNorm op k's
+    (N, D) affines (or None). LayerNorm + at most one activation is one embfuse.ops.chain kernel."""
+    one = _one_op(ops)
+    if one is not None:
+        return layer_norm_act(y, weights[0], biases[0], *one)
+    for (kind, settings), weight, bias in zip(ops, weights, biases):
+        if kind == "layer_norm":
+            y = F.layer_norm(y, y.shape[-1:], None, None, settings[0])
+            if weight is not None:
+                y = torch.addcmul(bias, y, weight) if bias is not None else y * weight
+            elif bias is not None:
+                y = y + bias
+        elif kind == "gelu":
+            y = F.gelu(y, approximate=settings[0])
+        else:
+            y = APPLY[kind](y)
+    return y
 
 
 class PooledChain(torch.nn.Module):
@@ -242,12 +248,9 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
                 out = graph.call_module(name, (x,))
             else:
                 y = graph.call_function(as_blocks, (x, N, D))
-                one = _one_op(ops)
-                if one is not None:
-                    y = graph.call_function(layer_norm_act, (y, *_stacks(graph, ops[0][1], sources[0]), *one))
-                else:
-                    for (kind, settings), params in zip(ops, sources):
-                        y = _apply(graph, y, kind, settings, params, D)
+                affines = [_stacks(graph, settings, params) if kind == "layer_norm" else (None, None)
+                           for (kind, settings), params in zip(ops, sources)]
+                y = graph.call_function(run_ops, (y, tuple(ops), [w for w, _ in affines], [b for _, b in affines]))
                 out = graph.call_function(torch.flatten, (y, 1))
         cat.replace_all_uses_with(out)
         dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
@@ -303,22 +306,6 @@ def _stacks(graph: torch.fx.Graph, settings, params):
     weight = graph.call_function(torch.stack, ([w for w, _ in pairs],)) if has_weight else None
     bias = graph.call_function(torch.stack, ([b for _, b in pairs],)) if has_bias else None
     return weight, bias
-
-
-def _apply(graph: torch.fx.Graph, y, kind: str, settings, params, D: int):
-    if kind != "layer_norm":
-        if kind == "gelu":
-            return graph.call_function(F.gelu, (y,), {"approximate": settings[0]})
-        return graph.call_function(APPLY[kind], (y,))
-    weight, bias = _stacks(graph, settings, params)
-    y = graph.call_function(F.layer_norm, (y, (D,), None, None, settings[0]))
-    if weight is not None and bias is not None:
-        return graph.call_function(torch.addcmul, (bias, y, weight))
-    if weight is not None:
-        return graph.call_function(operator.mul, (y, weight))
-    if bias is not None:
-        return graph.call_function(operator.add, (y, bias))
-    return y
 
 
 class HorizontalFusion(CustomGraphPass):
