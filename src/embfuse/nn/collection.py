@@ -252,18 +252,23 @@ class EmbeddingBagCollection(_Collection):
             self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device)
         return self._plans[key]
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def _checked(self, features: KeyedJaggedTensor, fresh: bool):
+        """The batch restricted to this collection's features and checked (validate_collection;
+        `fresh` as there): (B, plan, values, offsets, weights, check)."""
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
         psw = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
-        fused = self._fused_now()
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys],
-            self.bounds_check, fresh=fused is not None or needs_op(self.weights))
+            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh)
+        return B, plan, values, offsets, psw, check
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        fused = self._fused_now()
+        B, plan, values, offsets, psw, check = self._checked(features, fused is not None or needs_op(self.weights))
         if fused is not None:
             hot = self._hot
             if hot is not None:
@@ -289,19 +294,12 @@ class EmbeddingBagCollection(_Collection):
                 or self.weights.dtype == torch.float64):
             x = self(features).values()
             return layer_norm_act(x.view(x.shape[0], -1, max(dims)), weight, bias, eps, activation).flatten(1)
-        kjt = self._features(features)
-        keys, B = kjt.keys(), kjt.stride()
+        F = len(self.feature_names)
         for name, t in (("weight", weight), ("bias", bias)):
-            if t is not None and (tuple(t.shape) != (len(keys), D) or t.device != self.weights.device):
-                raise ValueError(f"{name} must be ({len(keys)}, {D}) on {self.weights.device}, got "
+            if t is not None and (tuple(t.shape) != (F, D) or t.device != self.weights.device):
+                raise ValueError(f"{name} must be ({F}, {D}) on {self.weights.device}, got "
                                  f"{tuple(t.shape)} on {t.device}")
-        plan = self._plan(keys, self.weights.device)
-        psw = kjt.weights_or_none() if self._is_weighted else None
-        if self._is_weighted and psw is None:
-            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
-        values, offsets, psw, check = validate_collection(
-            kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=False)
+        B, plan, values, offsets, psw, check = self._checked(features, fresh=False)
         return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
                                   plan.layout.vec, status=None if check is None else check.status,
                                   sqrtn=plan.sqrtn, epilogue=(weight, bias, eps, activation))
