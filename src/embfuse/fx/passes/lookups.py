@@ -302,32 +302,42 @@ def _joins(run: list[torch.fx.Node], node: torch.fx.Node, order) -> bool:
     return all(order[_source(a)] < first_use for a in node.all_input_nodes)
 
 
+def _insert_batch(gm, run, name: str, batch: torch.nn.Module, args: tuple) -> torch.fx.Node:
+    """`batch` registered as `name` and called with `args` right before the first use of any of
+    `run`'s outputs."""
+    gm.add_submodule(name, batch)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first_use = min((u for n in run for u in n.users), key=order.__getitem__, default=gm.graph.output_node())
+    with gm.graph.inserting_before(first_use):
+        return gm.graph.call_module(name, args)
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, piece: torch.fx.Node) -> None:
+    """`node`'s uses go to `piece`; `node` leaves the graph, with the device moves that fed only it."""
+    moves = [a for a in node.all_input_nodes if a.op == "call_method" and a.target in MOVES and len(a.users) == 1]
+    node.replace_all_uses_with(piece)
+    graph.erase_node(node)
+    for move in moves:
+        if not move.users:
+            graph.erase_node(move)
+
+
 def _rewrite(gm, run, weighted, optimizer, name, report) -> None:
     graph = gm.graph
     modules = [gm.get_submodule(n.target) for n in run]
     names = [n.target for n in run]
-    batch = LookupBatch(names, modules, weighted, optimizer)
-    gm.add_submodule(name, batch)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first_use = min((u for n in run for u in n.users), key=order.__getitem__, default=graph.output_node())
     ids = tuple(_source(_arg(n, 0, "input")) for n in run)
     offsets = tuple(_source(_arg(n, 1, "offsets")) for n in run)
     weights = tuple(_source(_arg(n, 2, "per_sample_weights")) for n in run)
-    with graph.inserting_before(first_use):
-        out = graph.call_module(name, (ids, offsets, weights))
+    out = _insert_batch(gm, run, name, LookupBatch(names, modules, weighted, optimizer), (ids, offsets, weights))
     col = 0
     slices = []
     for node, m in zip(run, modules):
-        moves = [a for a in node.all_input_nodes if a.op == "call_method" and a.target in MOVES and len(a.users) == 1]
         with graph.inserting_after(out):
             piece = graph.call_function(torch.narrow, (out, 1, col, m.embedding_dim))
         slices.append(piece)
         col += m.embedding_dim
-        node.replace_all_uses_with(piece)
-        graph.erase_node(node)
-        for move in moves:
-            if not move.users:
-                graph.erase_node(move)
+        _replace(graph, node, piece)
     out.meta["embfuse_width"] = col  # the output's width, for the horizontal pass
     for piece in reversed(slices):  # keep the slices in feature order after `out`
         out.append(piece)
@@ -336,22 +346,13 @@ def _rewrite(gm, run, weighted, optimizer, name, report) -> None:
 
 
 def _rewrite_embeddings(gm, run, optimizer, name, report) -> None:
-    graph = gm.graph
     names = [n.target for n in run]
-    gm.add_submodule(name, EmbeddingBatch(names, [gm.get_submodule(n.target) for n in run], optimizer))
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first_use = min((u for n in run for u in n.users), key=order.__getitem__, default=graph.output_node())
-    with graph.inserting_before(first_use):
-        out = graph.call_module(name, (tuple(_source(_arg(n, 0, "input")) for n in run),))
+    batch = EmbeddingBatch(names, [gm.get_submodule(n.target) for n in run], optimizer)
+    out = _insert_batch(gm, run, name, batch, (tuple(_source(_arg(n, 0, "input")) for n in run),))
     for k, node in reversed(list(enumerate(run))):
-        moves = [a for a in node.all_input_nodes if a.op == "call_method" and a.target in MOVES and len(a.users) == 1]
-        with graph.inserting_after(out):
-            piece = graph.call_function(operator.getitem, (out, k))
-        node.replace_all_uses_with(piece)
-        graph.erase_node(node)
-        for move in moves:
-            if not move.users:
-                graph.erase_node(move)
+        with gm.graph.inserting_after(out):
+            piece = gm.graph.call_function(operator.getitem, (out, k))
+        _replace(gm.graph, node, piece)
     report.append(f"batched {len(run)} Embedding lookups into {name}: {', '.join(names)}")
 
 
