@@ -35,6 +35,7 @@ import embfuse
 import embfuse.fx
 from embfuse.bench.eager import EagerModel, eager_batch
 from embfuse.bench.runner import copy_bandwidth, metadata
+from embfuse.fx.staging import Staging, copy_all, end_to_end
 
 VARIANTS = ("eager", "compile", "compile + batch fusions", "optimize", "optimize + compile",
             "optimize + CUDA graph")
@@ -98,11 +99,8 @@ class _Graphed:
         model = embfuse.fx.optimize(copy.deepcopy(base), (ids0, offsets0), optimizer=embfuse.optim.SGD(lr=lr))
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
         device = batches[0][2].device
-        self.starts = [0]
-        for i in ids0:
-            self.starts.append(self.starts[-1] + i.numel())
-        self.static = torch.empty(self.starts[-1], dtype=torch.int64, device=device)
-        self.static_ids = [self.static[a:b] for a, b in zip(self.starts, self.starts[1:])]
+        self.static = torch.empty(sum(i.numel() for i in ids0), dtype=torch.int64, device=device)
+        self.static_ids = [view for view, _ in end_to_end(self.static, ids0)]
         self.static_offsets = [o.to(device) for o in offsets0]
         self.static_target = batches[0][2].clone()
         self._stage(batches[0])
@@ -126,12 +124,10 @@ class _Graphed:
         self.opt.step()
 
     def _stage(self, batch):
-        from embfuse.fx.staging import Staging, copy_all
-
         ids, target = self.twins[id(batch)]
-        staging = Staging([(torch.int64, self.starts[-1])])
-        copy_all([(staging.host[0][a:b], i) for a, b, i in zip(self.starts, self.starts[1:], ids)])
-        self.static.copy_(staging.host[0], non_blocking=True)
+        host = Staging([(torch.int64, self.static.numel())]).host[0]
+        copy_all(end_to_end(host, ids))
+        self.static.copy_(host, non_blocking=True)
         self.static_target.copy_(target, non_blocking=True)
 
     def forward(self, batch):
@@ -183,14 +179,8 @@ def _pinned_h2d(nbytes: int, device) -> float:
 def _host_copy(ids) -> float:
     """Bytes per second of the host writing the batch's ids into pinned memory (the work a
     pageable copy makes the host do, whoever does it), on the threads embfuse uses."""
-    from embfuse.fx.staging import Staging, copy_all
-
     n = sum(i.numel() for i in ids)
-    staging = Staging([(torch.int64, n)])
-    starts = [0]
-    for i in ids:
-        starts.append(starts[-1] + i.numel())
-    pairs = [(staging.host[0][a:b], i) for a, b, i in zip(starts, starts[1:], ids)]
+    pairs = end_to_end(Staging([(torch.int64, n)]).host[0], ids)
     times = []
     for _ in range(7):
         t = time.perf_counter()

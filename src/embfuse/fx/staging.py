@@ -58,6 +58,16 @@ def copy_all(pairs: Sequence[tuple[Tensor, Tensor]], side: Callable[[], None] | 
         task.result()
 
 
+def end_to_end(dst: Tensor, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """The (dst slice, tensor flattened) pairs that write `tensors` one after another into the
+    1-D `dst` (for copy_all; copy_ casts to dst's dtype)."""
+    pairs, start = [], 0
+    for t in tensors:
+        pairs.append((dst[start:start + t.numel()], t.reshape(-1)))
+        start += t.numel()
+    return pairs
+
+
 class Staging:
     """A pinned host buffer laid out as `parts` [(dtype, numel), ...]: `host[i]` is part i's
     1-D host view (write into it), `to(device)` copies the buffer over once and returns the

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from embfuse.fx.staging import Staging, copy_all
+from embfuse.fx.staging import Staging, copy_all, end_to_end
 from embfuse.fx.views import TableView, hide_shown
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.ops.errors import BadBatchError
@@ -123,7 +123,7 @@ class EmbeddingBatch(_Batch):
         dtype, bases = _index_dtype(ids, ()), _bases(ids)
         if all(i.device.type == "cpu" for i in ids):  # one bag a feature: its offsets are the counts
             staging = Staging([(dtype, bases[-1]), (dtype, len(ids) + 1)])
-            copy_all([(staging.host[0][a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)])
+            copy_all(end_to_end(staging.host[0], ids))
             staging.host[1].copy_(torch.tensor(bases, dtype=dtype))
             values, offsets = staging.to(device)
         else:
@@ -178,9 +178,7 @@ def _stage(names, ids, offsets, weights, B, device):
         parts.append((weights[0].dtype, bases[-1]))
     staging = Staging(parts)
     values, offs = staging.host[0], staging.host[1]
-    pairs = [(values[a:b], i.reshape(-1)) for a, b, i in zip(bases, bases[1:], ids)]  # (copy_ casts)
-    if weights is not None:
-        pairs += [(staging.host[2][a:b], w) for a, b, w in zip(bases, bases[1:], weights)]
+    pairs = end_to_end(values, ids) + (end_to_end(staging.host[2], weights) if weights is not None else [])
     grid = offs[:N * B].view(N, B)
 
     def global_offsets():  # beside the copies of the ids
