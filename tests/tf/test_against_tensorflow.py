@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from embfuse.tf import embedding_lookup, embedding_lookup_sparse, safe_embedding_lookup_sparse
-from tests.tf.test_lookup import batch, sparse
+from tests.tf.test_lookup import safe_lookup_grid, batch, sparse
 
 tf = pytest.importorskip("tensorflow", reason="the optional comparison with TensorFlow: pip install tensorflow-cpu")
 
@@ -30,12 +30,7 @@ def _tf_run(fn, shards, g):
 
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("default_id", [None, 2])
-@pytest.mark.parametrize("max_norm", [None, 0.7])
-@pytest.mark.parametrize("strategy,num_shards", [("div", 1), ("div", 3), ("mod", 3), ("div", 5), ("mod", 5)])
-@pytest.mark.parametrize("rank", [2, 3])
+@safe_lookup_grid
 def test_safe_embedding_lookup_sparse_gives_tensorflows_numbers(combiner, weighted, default_id, max_norm, strategy,
                                                                 num_shards, rank):
     sizes = {1: [17], 3: [5, 4, 4], 5: [4, 4, 4, 4, 3]}[num_shards]
