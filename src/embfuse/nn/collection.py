@@ -23,6 +23,7 @@ from embfuse.ops.bags import ROW_START, bag_of_value
 from embfuse._triton import use_kernels
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
+from embfuse.ops.residency import Residency, ResidencyReport, window
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -210,13 +211,20 @@ class EmbeddingBagCollection(_Collection):
     set taken from the batch every `hot_refresh` steps (optim/hot.py; eager steps only: a step
     captured in a CUDA graph takes the sparse path, as do batches of fewer than
     `hot_min_values` values, where the path costs more than it saves). The update is the same
-    up to rounding."""
+    up to rounding.
+
+    `pin_hot_rows_in_l2=True` (GPU lookups that train nothing: inference, evaluation): each
+    table's most looked-up rows, counted from a batch every `l2_refresh` lookups, are copied into
+    one small buffer that the lookup reads through a persisting L2 window (ops/residency.py).
+    Outputs are bitwise the same; `l2_residency` reports the hit rate and window, or why it is
+    off (no GPU, no persisting L2, nothing hot)."""
 
     _prefix = "embedding_bags"
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
                  bounds_check: str = DEFAULT_BOUNDS_CHECK, hot_rows: int = 0, hot_refresh: int = 100,
-                 hot_min_values: int = tuning.HOT_MIN_VALUES):
+                 hot_min_values: int = tuning.HOT_MIN_VALUES, pin_hot_rows_in_l2: bool = False,
+                 l2_refresh: int = 1000):
         for t in tables:
             _pooling(t.pooling)
         super().__init__(tables, device, optimizer, bounds_check)
@@ -233,6 +241,7 @@ class EmbeddingBagCollection(_Collection):
             # buffers, so that module.to() moves them; not in the state_dict (taken from batches)
             self.register_buffer("hot_slot", self._hot.slot, persistent=False)
             self.register_buffer("hot_keys", self._hot.keys, persistent=False)
+        self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature = {}  # name -> (table index, pooling, first output column)
         col = 0
@@ -252,33 +261,57 @@ class EmbeddingBagCollection(_Collection):
             self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device)
         return self._plans[key]
 
-    def _checked(self, features: KeyedJaggedTensor, fresh: bool):
+    def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True):
         """The batch restricted to this collection's features and checked (validate_collection;
-        `fresh` as there): (B, plan, values, offsets, weights, check)."""
+        `fresh` as there): (B, plan, values, offsets, weights, check, resident). A lookup that
+        `trains` nothing with pin_hot_rows_in_l2 gets the ids to read (hot rows from their copy,
+        rewritten by the check's pass) and the Resident whose window it runs in (else None)."""
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
         psw = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        resident = None if trains else self._resident(plan, kjt.values(), kjt.offsets(), B)
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh)
-        return B, plan, values, offsets, psw, check
+            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh, remap=resident)
+        return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         fused = self._fused_now()
-        B, plan, values, offsets, psw, check = self._checked(features, fused is not None or needs_op(self.weights))
+        trains = fused is not None or needs_op(self.weights)
+        B, plan, values, offsets, psw, check, resident = self._checked(features, trains, trains)
         if fused is not None:
             hot = self._hot
             if hot is not None:
                 hot.slot, hot.keys = self.hot_slot, self.hot_keys
             out = fused_embedding_bag_collection(fused, self.weights, values, offsets, psw, plan, B, hot, check)
         else:
-            out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B,
-                                           None if check is None else check.status)
+            status = None if check is None else check.status
+            with window(resident):
+                out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B, status)
         return KeyedTensor(self.feature_names, self._dims, out)
 
+    @property
+    def l2_residency(self) -> Optional[ResidencyReport]:
+        """What `pin_hot_rows_in_l2` does now (hit rate, window, or why it is off); None when off."""
+        return None if self._residency is None else self._residency.report
+
+    def _resident(self, plan: Plan, values, offsets, B):
+        """The hot rows' Resident for a lookup that trains nothing, or None (ops/residency.py).
+        The batch is not checked yet: counting keeps the ids inside the tables."""
+        if self._residency is None:
+            return None
+        F = plan.meta.shape[0]
+
+        def global_rows():
+            feature = (bag_of_value(offsets, values.numel()) // max(B, 1)).clamp(0, F - 1)
+            return plan.meta[:, ROW_START][feature] + values.long()
+
+        step = self._fused.step if self._fused is not None else 0
+        return self._residency.resident(self.weights, self.table_weights, self._row_starts, global_rows,
+                                        plan.feature_table, step)
 
     def forward_layer_norm(self, features: KeyedJaggedTensor, weight: Optional[Tensor], bias: Optional[Tensor],
                            eps: float = 1e-5, activation: str = "none") -> Tensor:
@@ -299,10 +332,11 @@ class EmbeddingBagCollection(_Collection):
             if t is not None and (tuple(t.shape) != (F, D) or t.device != self.weights.device):
                 raise ValueError(f"{name} must be ({F}, {D}) on {self.weights.device}, got "
                                  f"{tuple(t.shape)} on {t.device}")
-        B, plan, values, offsets, psw, check = self._checked(features, fresh=False)
-        return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim, plan.max_dim,
-                                  plan.layout.vec, status=None if check is None else check.status,
-                                  sqrtn=plan.sqrtn, epilogue=(weight, bias, eps, activation))
+        B, plan, values, offsets, psw, check, resident = self._checked(features, fresh=False, trains=False)
+        with window(resident):
+            return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim,
+                                      plan.max_dim, plan.layout.vec, status=None if check is None else check.status,
+                                      sqrtn=plan.sqrtn, epilogue=(weight, bias, eps, activation))
 
 
 class EmbeddingCollection(_Collection):

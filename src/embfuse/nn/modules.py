@@ -12,8 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from typing import Optional
+
+from embfuse._triton import needs_op
 from embfuse.ops import embedding, embedding_bag
-from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
+from embfuse.ops.embedding_bag import pool, prepare_bags
+from embfuse.ops.residency import Residency, ResidencyReport, window
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, sparse_layout
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
 
@@ -106,11 +111,21 @@ class Embedding(FusedModule, torch.nn.Embedding):
 
 
 class EmbeddingBag(FusedModule, torch.nn.EmbeddingBag):
-    """`torch.nn.EmbeddingBag` with embfuse's pooled lookup."""
+    """`torch.nn.EmbeddingBag` with embfuse's pooled lookup. `pin_hot_rows_in_l2` and
+    `l2_refresh`: as in EmbeddingBagCollection (GPU lookups that train nothing read the most
+    looked-up rows from a copy held in a persisting L2 window; `l2_residency` reports it). Not
+    with max_norm (it changes rows in the lookup), padding_idx or max pooling (they compare ids,
+    and a rewritten id reads a row of the copy)."""
 
-    def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None, **kwargs):
+    def __init__(self, *args, bounds_check: str = DEFAULT_BOUNDS_CHECK, optimizer=None,
+                 pin_hot_rows_in_l2: bool = False, l2_refresh: int = 1000, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fused(bounds_check, optimizer)
+        self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
+
+    @property
+    def l2_residency(self) -> Optional[ResidencyReport]:
+        return None if self._residency is None else self._residency.report
 
     def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
         args = (input, self.weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode,
@@ -118,4 +133,22 @@ class EmbeddingBag(FusedModule, torch.nn.EmbeddingBag):
         fused = self._fused_now()
         if fused is not None:
             return fused_embedding_bag(fused, *args, bounds_check=self.bounds_check)
+        if (self._residency is not None and self.max_norm is None and self.padding_idx is None and self.mode != "max"
+                and not needs_op(self.weight, per_sample_weights)):
+            return self._resident_forward(*args)
         return embedding_bag(*args, bounds_check=self.bounds_check)
+
+    def _resident_forward(self, input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                          per_sample_weights, include_last_offset, padding_idx):
+        """embedding_bag's lookup, hot rows read from their copy (ops/residency.py)."""
+        step = self._fused.step if self._fused is not None else 0
+        resident = self._residency.resident(weight, lambda: [weight], [0, self.num_embeddings],
+                                            lambda: input.reshape(-1), [0], step)
+        indices, offsets, psw, mode, padding_idx, check = prepare_bags(
+            input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse_layout(sparse),
+            per_sample_weights, include_last_offset, padding_idx, self.bounds_check, "input", fresh=False,
+            remap=resident)
+        with window(resident):
+            out, _ = pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False,
+                          status=None if check is None else check.status)
+        return out

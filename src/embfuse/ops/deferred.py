@@ -24,6 +24,7 @@ import torch
 from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
 from embfuse.ops.errors import BadBatchError, BadIdError
 from embfuse.ops import tuning
+from embfuse.ops.residency import hot_ids
 
 # the check's flags
 BAD_ID, BAD_OFFSETS = 1, 2
@@ -51,32 +52,40 @@ def _report(status, ring, slot, seq, flags):
 
 
 @triton.jit(do_not_specialize=["slot", "seq"])
-def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq,
-                      BLOCK: tl.constexpr):
-    """Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n."""
+def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
+                      words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+    """Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
+    REMAP: also write each id as the lookup should read it, hot rows from their resident copy
+    (ops/residency.py), into `out`; without CHECK that is all (a batch not checked)."""
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_ids = pos < n
     ids = tl.load(indices + pos, mask=in_ids, other=0)
-    bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
-    cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
-    has_next = pos < n_offsets - 1
-    nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
-    # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
-    bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-    flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
-    if pid == 0:
-        tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
-    _report(status, ring, slot, seq, flags)
+    if REMAP:
+        ok = in_ids & (ids >= 0) & (ids < num_embeddings)
+        new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
+        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
+    if CHECK:
+        bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
+        cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
+        has_next = pos < n_offsets - 1
+        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+        # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
+        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
+        flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
+        if pid == 0:
+            tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
+        _report(status, ring, slot, seq, flags)
 
 
 @triton.jit(do_not_specialize=["slot", "seq"])
-def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, ring, slot, seq,
-                       BAGS: tl.constexpr, BLOCK: tl.constexpr):
+def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, ring, slot, seq, out, info, words,
+                       BAGS: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     bag's ids inside its feature's table (limits[f] rows). BAGS bags a program, side by side.
     (A flat pass over the values that found each value's feature by binary search over the
-    feature starts was slower on the H100: its dependent gathers; benchmarks/NOTES.md.)"""
+    feature starts was slower on the H100: its dependent gathers; benchmarks/NOTES.md.)
+    REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
     g = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)
     real = g < FB
@@ -84,6 +93,9 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, r
     end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
     bad_off = real & ((end < start) | ((g == 0) & (start != 0)) | ((g == FB - 1) & (end != n)))
     limit = tl.load(limits + g // B, mask=real, other=0)
+    if REMAP:
+        first_row = tl.load(info + (g // B) * 3, mask=real, other=0)[:, None]
+        rel = tl.load(info + (g // B) * 3 + 2, mask=real, other=0)[:, None]
     # reads stay inside the values whatever the offsets say
     lo = tl.minimum(tl.maximum(start, 0), n)
     hi = tl.minimum(tl.maximum(end, lo), n)
@@ -92,11 +104,17 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, r
         p = lo[:, None] + i + tl.arange(0, BLOCK)[None, :]
         m = p < hi[:, None]
         v = tl.load(values + p, mask=m, other=0)
-        bad_id = tl.maximum(bad_id, tl.max((m & ((v < 0) | (v >= limit[:, None]))).to(tl.int32), axis=1))
-    flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
-    if pid == 0:
-        tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
-    _report(status, ring, slot, seq, flags)
+        bad = m & ((v < 0) | (v >= limit[:, None]))
+        if CHECK:
+            bad_id = tl.maximum(bad_id, tl.max(bad.to(tl.int32), axis=1))
+        if REMAP:
+            new = hot_ids(v.to(tl.int64), m & ~bad, first_row, rel, words)
+            tl.store(out + p, new.to(out.dtype.element_ty), mask=m)
+    if CHECK:
+        flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
+        if pid == 0:
+            tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
+        _report(status, ring, slot, seq, flags)
 
 
 # ---- the host side of the deferred check ----
@@ -239,19 +257,32 @@ def check_errors() -> None:
         log.wait()
 
 
-def launch_ids_check(log, check, indices, offsets, num_embeddings):
+def launch_ids_check(log, check, indices, offsets, num_embeddings, remap=None):
+    """The check of one table's ids (and offsets); with `remap` = (Resident, out) it also writes
+    the ids to read (ops/residency.py) into `out`; with `check` None it only does that."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.CHECK_BLOCK
+    resident, out = remap if remap is not None else (None, indices)
+    status = check.status if check is not None else indices
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
-        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, check.status,
-        log.next_status(check), log.ring, check.slot, check.seq, BLOCK=block)
+        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, status,
+        log.next_status(check) if check is not None else indices, log.ring if check is not None else indices,
+        check.slot if check is not None else 0, check.seq if check is not None else 0, out,
+        resident.info if resident is not None else indices, resident.words if resident is not None else indices,
+        BLOCK=block, CHECK=check is not None, REMAP=resident is not None)
 
 
-def launch_bags_check(log, check, values, offsets, limits, B):
+def launch_bags_check(log, check, values, offsets, limits, B, remap=None):
+    """The check of a keyed batch; `remap`, `check` None: as launch_ids_check."""
     FB = offsets.numel() - 1
+    resident, out = remap if remap is not None else (None, values)
     launch(_check_bags_kernel)[(max(1, cdiv(FB, tuning.BAGS_PER_PROGRAM)),)](
-        values, offsets, limits, values.numel(), FB, max(B, 1), check.status, log.next_status(check), log.ring,
-        check.slot, check.seq, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+        values, offsets, limits, values.numel(), FB, max(B, 1), check.status if check is not None else values,
+        log.next_status(check) if check is not None else values, log.ring if check is not None else values,
+        check.slot if check is not None else 0, check.seq if check is not None else 0, out,
+        resident.info if resident is not None else values, resident.words if resident is not None else values,
+        BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP, CHECK=check is not None,
+        REMAP=resident is not None)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,

@@ -334,11 +334,11 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
 
 
 def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True):
+                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True, remap=None):
     """Check and canonicalise torch-style arguments (and apply max_norm): returns the
     (indices, offsets, per_sample_weights, mode number, padding_idx, check) that the ops take;
     `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its status must
-    outlive later calls (an autograd backward will read it)."""
+    outlive later calls (an autograd backward will read it). `remap`: validate_bags'."""
     check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -374,7 +374,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
         bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
     indices, offsets, per_sample_weights, check = validate_bags(
         indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check,
-        given_offsets=given, fresh=fresh)
+        given_offsets=given, fresh=fresh, remap=remap)
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight

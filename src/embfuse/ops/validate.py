@@ -236,15 +236,18 @@ def _(indices, offsets, num_embeddings, shape, name, given, bounds_check):
 
 
 def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, shape=None, name="input",
-                  bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None):
+                  bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None, remap=None):
     """Check a canonical single-table bag batch (1-D ids, B+1 offsets).
 
     Returns (indices, offsets, per_sample_weights, check): the tensors to use (compacted copies
     when "skip" drops bad ids) and the deferred Check whose status the kernels read (None when
     nothing is deferred). `fresh`: the status must outlive later calls (autograd will read it).
+    `remap` (a GPU lookup's ops/residency.py Resident): the ids returned are those to read, hot
+    rows from their resident copy, written by the same pass.
     """
+    out = _remap_out(indices, remap)
     if bounds_check == "off":
-        return indices, offsets, per_sample_weights, None
+        return remap_ids(indices, None, None, 1, remap, num_embeddings, out), offsets, per_sample_weights, None
     shape = indices.shape if shape is None else shape
     if tracing():
         status = _check_ids_op(indices, offsets, num_embeddings, list(shape), name,
@@ -252,15 +255,17 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         return indices, offsets, per_sample_weights, TracedCheck(status)
     check, keep = _validate(
         indices, bounds_check, fresh, kernel, "embedding_bag",
-        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings),
+        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, _remapping(remap, out)),
         lambda: _ids_flags_reference(indices, offsets, num_embeddings),
         functools.partial(_raise_ids, indices, offsets, num_embeddings, shape, name, given_offsets,
                           bounds_check == "skip"),
         lambda: (indices >= 0) & (indices < num_embeddings),
         lambda: _bad_id_message(indices, shape, num_embeddings, name))
     if keep is None:
+        indices = _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel)
         return indices, offsets, per_sample_weights, check
-    return skip_ids(indices, offsets, per_sample_weights, keep)
+    indices, offsets, per_sample_weights, _ = skip_ids(indices, offsets, per_sample_weights, keep)
+    return remap_ids(indices, None, None, 1, remap, num_embeddings), offsets, per_sample_weights, None
 
 
 def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_BOUNDS_CHECK, fresh=True,
@@ -285,11 +290,13 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
 
 def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
                         limits: torch.Tensor, B: int, keys: list[str], tables: list[str],
-                        bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None):
+                        bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None,
+                        remap=None):
     """Check a keyed batch (F * B bags) against its features' tables (limits[f]: rows of feature
     f's table) in one pass: lengths that are non-negative and add up to the values, every id
     inside its feature's table. Returns (values, offsets, per_sample_weights, check) as
-    validate_bags does. Errors name the feature, its table, the position and the sample."""
+    validate_bags does (`remap` too). Errors name the feature, its table, the position and the
+    sample."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -301,22 +308,62 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     n, FB = values.numel(), offsets.numel() - 1
     if FB == 0 and n:
         raise BadBatchError(f"the batch has no bags but {n} values")
-    if bounds_check == "off" or FB == 0:
+    if FB == 0:
         return values, offsets, psw, None
     B = max(B, 1)
+    out = _remap_out(values, remap)
+    if bounds_check == "off":
+        return remap_ids(values, offsets, limits, B, remap, out=out), offsets, psw, None
     if tracing():
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, "\n".join(keys),
                                                                 "\n".join(tables), traced_mode(bounds_check)))
-    check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel)
+    check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel,
+                                    _remapping(remap, out))
     if keep is None:
-        return values, offsets, psw, check
-    return skip_ids(values, offsets, psw, keep)
+        return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
+    values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
+    return remap_ids(values, offsets, limits, B, remap), offsets, psw, None
 
 
-def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel):
+def _remap_out(values, remap):
+    """Where the check writes the ids to read, when there is a Resident (ops/residency.py)."""
+    if remap is None:
+        return None
+    return torch.empty(values.shape, dtype=torch.int32 if remap.int32 else torch.int64, device=values.device)
+
+
+def _remapping(remap, out):
+    return None if remap is None else (remap, out)
+
+
+def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
+    """The ids to read after a check that wrote them into `out` if it ran as a kernel."""
+    if remap is None:
+        return values
+    if kernel or (kernel is None and use_kernels(values)):
+        return out
+    return remap_ids(values, offsets, limits, B, remap, num_embeddings, out)
+
+
+def remap_ids(values, offsets, limits, B, remap, num_embeddings=None, out=None):
+    """The ids to read, hot rows from their resident copy (`remap`: a Resident, or None: the ids
+    themselves), by the check kernels run without checking: for a batch that is not checked
+    ("off") or was compacted ("skip"). One table: `num_embeddings`, no offsets needed."""
+    if remap is None:
+        return values
+    out = _remap_out(values, remap) if out is None else out
+    if values.numel():
+        if limits is None:
+            launch_ids_check(None, None, values, None, num_embeddings, (remap, out))
+        else:
+            launch_bags_check(None, None, values, offsets, limits, B, (remap, out))
+    return out
+
+
+def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None):
     return _validate(
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
-        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B),
+        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap),
         lambda: _collection_flags_reference(values, offsets, limits, B),
         functools.partial(_raise_collection, values, offsets, limits, B, keys, tables, bounds_check == "skip"),
         lambda: (values >= 0) & (values < limits[bag_of_value(offsets, values.numel()) // B]),
