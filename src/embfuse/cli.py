@@ -134,13 +134,16 @@ def bench(args: argparse.Namespace) -> int:
     if args.distributed:
         return bench_distributed(args, console)
     if not torch.cuda.is_available():
-        if args.fx:
-            console.print("embfuse bench --fx times a model on a GPU and needs a CUDA device; none was found.")
+        if args.fx or args.l2:
+            console.print(f"embfuse bench {'--fx' if args.fx else '--l2'} times GPU lookups and needs a CUDA device; "
+                          f"none was found.")
             return 2
         console.print("embfuse bench measures GPU kernels and needs a CUDA device; none was found.")
         return 2
     if args.fx:
         return bench_fx(args, console)
+    if args.l2:
+        return bench_l2(args, console)
     selected = [w for w in workloads(quick=args.quick) if not args.group or w.group in args.group]
     out = Path(args.out)
     with Progress(console=console) as progress:
@@ -163,6 +166,17 @@ def bench_fx(args: argparse.Namespace, console) -> int:
 
     with console.status("measuring") as status:
         result = measure(variants=args.fx_variants or VARIANTS, progress=lambda what: status.update(what))
+    console.print(markdown(result))
+    console.print(f"wrote {write(result, Path(args.out))}")
+    return 0
+
+
+def bench_l2(args: argparse.Namespace, console) -> int:
+    """Hot rows resident in L2 against the plain lookup and FBGEMM (bench/residency.py)."""
+    from embfuse.bench.residency import markdown, measure, write
+
+    with console.status("measuring") as status:
+        result = measure(progress=lambda what: status.update(what))
     console.print(markdown(result))
     console.print(f"wrote {write(result, Path(args.out))}")
     return 0
@@ -236,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fx-variants", nargs="+", default=None, help="--fx: only these of " + ", ".join(
                    "'" + v + "'" for v in ("eager", "compile", "compile + batch fusions", "optimize",
                                             "optimize + compile", "optimize + CUDA graph")))
+    p.add_argument("--l2", action="store_true", help="hot rows resident in L2 (pin_hot_rows_in_l2) against the "
+                   "plain lookup and FBGEMM, with the hit rate and window chosen")
     p.add_argument("--distributed", action="store_true",
                    help="the sharded training step on every rank: run under torchrun --nproc_per_node=N "
                    "--no-python embfuse bench --distributed (alone: a world of one)")

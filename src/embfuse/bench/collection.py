@@ -31,14 +31,15 @@ def table_rows(w: Workload) -> list[int]:
     return [min(r, w.rows) for r in CRITEO_ROWS[:w.tables]]
 
 
-def make_batch(w: Workload, device, seed: int = 0) -> embfuse.KeyedJaggedTensor:
-    """Bag lengths uniform in [1, 2 * hotness - 1]; ids from the workload's distribution per table."""
+def make_batch(w: Workload, device, seed: int = 0, rows=None) -> embfuse.KeyedJaggedTensor:
+    """Bag lengths uniform in [1, 2 * hotness - 1]; ids from the workload's distribution per table
+    (of `rows` rows each; default: table_rows)."""
     g = torch.Generator(device=device).manual_seed(seed)
     F, B = w.tables, w.batch
     lengths = torch.randint(1, 2 * w.hotness, (F * B,), device=device, generator=g)
     per_key = lengths.view(F, B).sum(1).tolist()
     values = torch.cat([generate_ids(Workload(w.name, w.kind, r, w.dim, B, dist=w.dist, alpha=w.alpha), n, device, g)
-                        for r, n in zip(table_rows(w), per_key)])
+                        for r, n in zip(rows or table_rows(w), per_key)])
     return embfuse.KeyedJaggedTensor([f"f{i}" for i in range(F)], values, lengths=lengths, stride=B,
                                      length_per_key=per_key)
 
