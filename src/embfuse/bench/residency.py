@@ -7,7 +7,8 @@ distribution (seed 1), as a module in service counts an earlier batch; `hit` is 
 the measured batch's lookups its rows serve. Times are medians of CUDA-event timings with the L2
 flushed between calls (triton's do_bench): normal traffic, which persisting lines survive, as
 they survive a model's other kernels between two lookups. "resident, reset" also demotes every
-persisting line before each call: the gain within one call alone.
+persisting line before each call: the gain within one call alone. "back-to-back": wall time a
+call over 50 calls in a row without flushes (where the host's own time per call shows).
 
 Bounds, in the same run: DRAM (distinct rows + output + ids over the copy bandwidth, as the
 grid's roofline) and "all in L2": the same lookup (same bags, same width) with every id folded
@@ -26,7 +27,7 @@ import embfuse
 from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.peers import fbgemm_tbe
 from embfuse.bench.providers import attempt
-from embfuse.bench.runner import copy_bandwidth, metadata
+from embfuse.bench.runner import _host_us, copy_bandwidth, metadata
 from embfuse.bench.workloads import Workload, generate_ids
 
 WORKLOADS = [
@@ -41,6 +42,7 @@ WORKLOADS = [
 PROVIDERS = ("embfuse", "embfuse resident", "embfuse resident, reset", "embfuse-off", "fbgemm", "fbgemm-none")
 # measured beside them, to split the gain: the same rewritten ids and copy, read without a window
 DIAGNOSTICS = ("resident, no window",)
+BACK_TO_BACK = ("embfuse back-to-back", "embfuse resident back-to-back")
 
 
 def _rows(w: Workload) -> list[int]:
@@ -147,6 +149,8 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
                         l2.reset()
                     fn()
                 cell["us"] = do_bench(timed, warmup=5, rep=200, return_mode="median") * 1e3
+                if name in ("embfuse", "embfuse resident"):
+                    row[f"{name} back-to-back"] = _host_us(fn, 50)
 
             cell = {}
             attempt(cell, run)
@@ -163,8 +167,8 @@ def markdown(result: dict) -> str:
              f"copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, max "
              f"persisting L2 {m['persisting']['max_persisting_bytes'] / 2**20:.1f} MB; times in us", "",
              "| workload | " + " | ".join(PROVIDERS) + " | resident vs plain | resident vs FBGEMM | hit | window MB "
-             "| DRAM bound | all in L2 | " + " | ".join(DIAGNOSTICS) + " |",
-             "|---" * (len(PROVIDERS) + len(DIAGNOSTICS) + 7) + "|"]
+             "| DRAM bound | all in L2 | " + " | ".join(DIAGNOSTICS + BACK_TO_BACK) + " |",
+             "|---" * (len(PROVIDERS) + len(DIAGNOSTICS) + len(BACK_TO_BACK) + 7) + "|"]
     for r in result["rows"]:
         def f(v):
             return f"{v:.1f}" if isinstance(v, float) else str(v)
@@ -176,7 +180,7 @@ def markdown(result: dict) -> str:
                      + f" | {x('embfuse resident', 'embfuse')} | {x('embfuse resident', 'fbgemm')} | "
                      + (f"{r['hit']:.2f}" if "hit" in r else r.get("residency", "-"))
                      + f" | {r.get('window_MB', 0):.1f} | {r['dram_bound_us']:.1f} | {r['all_in_l2_us']:.1f} | "
-                     + " | ".join(f(r.get(p)) for p in DIAGNOSTICS) + " |")
+                     + " | ".join(f(r.get(p)) for p in DIAGNOSTICS + BACK_TO_BACK) + " |")
     return "\n".join(lines)
 
 

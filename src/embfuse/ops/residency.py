@@ -233,6 +233,7 @@ class Residency:
         self._hot = None  # (copy, per-table run starts, per-table rel), for the table's storage
         self._copied = None  # what the copy was taken from
         self._info = {}
+        self._device, self._sup = None, None
         self.use_window = True  # False for measurements only (bench/residency.py): the copy without a window
 
     def resident(self, weights: Tensor, tables, row_starts: list[int], global_rows, feature_tables: list[int],
@@ -241,42 +242,60 @@ class Residency:
         (rows, D) view of `weights`; `global_rows()`: the batch's global rows (both called only
         when needed); `feature_tables`: each feature's table; `step`: the module's fused step
         count (a fused step changes rows without a version bump)."""
-        from embfuse.ops import l2
-
         if torch.compiler.is_compiling():  # traced code has no data pointers to place the copy by
             return None
-        sup = l2.support(weights.device)
-        if not sup.ok or not use_kernels(weights):
-            self.report = ResidencyReport(False, reason=sup.reason or "the lookup kernels need Triton")
+        sup = self._support(weights)
+        if not sup.ok:
+            self.report = ResidencyReport(False, reason=sup.reason)
             return None
         capturing = torch.cuda.is_current_stream_capturing()
-        with torch.inference_mode(False), torch.no_grad():
-            if not capturing and (self.calls % self.refresh == 0 or self.hot_set is None):
+        if not capturing and (self.calls % self.refresh == 0 or self.hot_set is None):
+            with torch.inference_mode(False), torch.no_grad():
                 self._choose(global_rows(), tables(), row_starts, min(sup.max_persisting_bytes, sup.max_window_bytes))
-            self.calls += 1
-            hs = self.hot_set
-            if hs is None or not hs.rows.numel():
-                return None
-            where = (weights.data_ptr(), weights.dtype)
-            if self._hot is None or self._hot[0] != where:
-                views = tables()
-                hot = torch.empty(hs.nbytes // weights.element_size() + sum(v.shape[1] for v in views),
-                                  dtype=weights.dtype, device=weights.device)
-                self._hot, self._info, self._copied = (where, hot, *layout(views, hot, hs)), {}, None
-            _, hot, elem, rel = self._hot
-            key = (weights._version, step)
-            if capturing or self._copied != key:
-                copy_hot(hot, tables(), hs, row_starts, elem)
-                # a captured copy runs at replay: the eager copy is as stale as before
-                self._copied = None if capturing else key
-            features = tuple(feature_tables)
-            if features not in self._info:
-                rows = [row_starts[t + 1] - row_starts[t] for t in range(len(rel))]
-                info = [[row_starts[t], rows[t], rel[t]] for t in features]
-                fits = all(abs(r) + hs.rows.numel() < 2**31 for r in rel) and max(rows) < 2**31
-                self._info[features] = (torch.tensor(info, dtype=torch.int64, device=weights.device), fits)
+        self.calls += 1
+        hs = self.hot_set
+        if hs is None or not hs.rows.numel():
+            return None
+        where = (weights.data_ptr(), weights.dtype)
+        key = (weights._version, step)
+        features = tuple(feature_tables)
+        if self._hot is None or self._hot[0] != where or capturing or self._copied != key or features not in self._info:
+            with torch.inference_mode(False), torch.no_grad():
+                self._refresh(weights, tables, row_starts, where, key, features, capturing)
+        hot = self._hot[1]
         info, fits = self._info[features]
         return Resident(hot, hs.words, info, fits, self.report.window_bytes if self.use_window else 0)
+
+    def _support(self, weights: Tensor):
+        """ops/l2.py's support for the weights' device (cached: it is asked every lookup)."""
+        from embfuse.ops import l2
+
+        if self._device != weights.device:
+            sup = l2.support(weights.device)
+            if sup.ok and not use_kernels(weights):
+                sup = l2.Support(False, "the lookup kernels need Triton")
+            self._device, self._sup = weights.device, sup
+        return self._sup
+
+    def _refresh(self, weights, tables, row_starts, where, key, features, capturing) -> None:
+        """A copy placed for the table's storage, taken again if the table may have changed (or
+        captured), and the features' Resident.info."""
+        hs = self.hot_set
+        if self._hot is None or self._hot[0] != where:
+            views = tables()
+            hot = torch.empty(hs.nbytes // weights.element_size() + sum(v.shape[1] for v in views),
+                              dtype=weights.dtype, device=weights.device)
+            self._hot, self._info, self._copied = (where, hot, *layout(views, hot, hs)), {}, None
+        _, hot, elem, rel = self._hot
+        if capturing or self._copied != key:
+            copy_hot(hot, tables(), hs, row_starts, elem)
+            # a captured copy runs at replay: the eager copy is as stale as before
+            self._copied = None if capturing else key
+        if features not in self._info:
+            rows = [row_starts[t + 1] - row_starts[t] for t in range(len(rel))]
+            info = [[row_starts[t], rows[t], rel[t]] for t in features]
+            fits = all(abs(r) + hs.rows.numel() < 2**31 for r in rel) and max(rows) < 2**31
+            self._info[features] = (torch.tensor(info, dtype=torch.int64, device=weights.device), fits)
 
     def _choose(self, global_rows: Tensor, tables: list[Tensor], row_starts: list[int], budget: int) -> None:
         from embfuse.ops import l2
