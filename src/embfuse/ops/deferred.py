@@ -78,40 +78,56 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
         _report(status, ring, slot, seq, flags)
 
 
+@triton.jit
+def _feature_of(offsets, p, B, F, STEPS: tl.constexpr):
+    """The feature whose values hold position p: the last f in [0, F) with offsets[f * B] <= p
+    (a scalar binary search over the feature starts; clamped into [0, F) whatever they say)."""
+    lo = tl.full([], 0, tl.int64)
+    hi = lo + F - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        start = tl.load(offsets + mid * B).to(tl.int64)
+        up = start <= p
+        lo = tl.where(up & (lo < hi), mid, lo)
+        hi = tl.where(up | (lo >= hi), hi, mid - 1)
+    return lo
+
+
 @triton.jit(do_not_specialize=["slot", "seq"])
-def _check_bags_kernel(values, offsets, limits, n, FB, B, status, status_next, ring, slot, seq, out, info, words,
-                       BAGS: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
+                       BLOCK: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
-    bag's ids inside its feature's table (limits[f] rows). BAGS bags a program, side by side.
-    (A flat pass over the values that found each value's feature by binary search over the
-    feature starts was slower on the H100: its dependent gathers; benchmarks/NOTES.md.)
+    value inside its feature's table (limits[f] rows). One flat pass: program i reads values
+    [i * BLOCK, (i + 1) * BLOCK) and offsets likewise. A block's features come from a scalar
+    binary search of its first and last value (STEPS = bits of F), and each value's feature from
+    the few feature starts inside the block: almost every block lies in one feature. The per-bag pass it replaces
+    (8 bags a program) left lanes idle on short bags (~1.3 TB/s), and a binary search per value
+    was latency-bound (benchmarks/NOTES.md, sessions 10 and 14).
     REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
-    g = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
-    bad_off = real & ((end < start) | ((g == 0) & (start != 0)) | ((g == FB - 1) & (end != n)))
-    limit = tl.load(limits + g // B, mask=real, other=0)
+    first = pid.to(tl.int64) * BLOCK
+    pos = first + tl.arange(0, BLOCK)
+    in_values = pos < n
+    v = tl.load(values + pos, mask=in_values, other=0).to(tl.int64)
+    f_first = _feature_of(offsets, first, B, F, STEPS)
+    f_last = _feature_of(offsets, tl.minimum(first + BLOCK, n) - 1, B, F, STEPS)
+    f = tl.zeros([BLOCK], dtype=tl.int64) + f_first
+    for k in range(f_first + 1, f_last + 1):  # the few feature starts inside this block
+        f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
+    # a block inside one feature (almost all) loads one address for every lane: a broadcast
+    limit = tl.load(limits + f, mask=in_values, other=0)
+    bad = in_values & ((v < 0) | (v >= limit))
     if REMAP:
-        first_row = tl.load(info + (g // B) * 3, mask=real, other=0)[:, None]
-        rel = tl.load(info + (g // B) * 3 + 2, mask=real, other=0)[:, None]
-    # reads stay inside the values whatever the offsets say
-    lo = tl.minimum(tl.maximum(start, 0), n)
-    hi = tl.minimum(tl.maximum(end, lo), n)
-    bad_id = tl.zeros([BAGS], dtype=tl.int32)
-    for i in range(0, tl.max(hi - lo), BLOCK):
-        p = lo[:, None] + i + tl.arange(0, BLOCK)[None, :]
-        m = p < hi[:, None]
-        v = tl.load(values + p, mask=m, other=0)
-        bad = m & ((v < 0) | (v >= limit[:, None]))
-        if CHECK:
-            bad_id = tl.maximum(bad_id, tl.max(bad.to(tl.int32), axis=1))
-        if REMAP:
-            new = hot_ids(v.to(tl.int64), m & ~bad, first_row, rel, words)
-            tl.store(out + p, new.to(out.dtype.element_ty), mask=m)
+        first_row = tl.load(info + f * 3, mask=in_values, other=0)
+        rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
+        new = hot_ids(v, in_values & ~bad, first_row, rel, words)
+        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_values)
     if CHECK:
-        flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
+        cur = tl.load(offsets + pos, mask=pos <= FB, other=0).to(tl.int64)
+        has_next = pos < FB
+        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0).to(tl.int64)
+        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == FB) & (cur != n))
+        flags = tl.max(bad.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
         if pid == 0:
             tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
         _report(status, ring, slot, seq, flags)
@@ -275,14 +291,16 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, remap=None):
 def launch_bags_check(log, check, values, offsets, limits, B, remap=None):
     """The check of a keyed batch; `remap`, `check` None: as launch_ids_check."""
     FB = offsets.numel() - 1
+    F = max(1, FB // max(B, 1))
+    n = values.numel()
+    block = tuning.CHECK_BLOCK
     resident, out = remap if remap is not None else (None, values)
-    launch(_check_bags_kernel)[(max(1, cdiv(FB, tuning.BAGS_PER_PROGRAM)),)](
-        values, offsets, limits, values.numel(), FB, max(B, 1), check.status if check is not None else values,
+    launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block)),)](
+        values, offsets, limits, n, FB, max(B, 1), F, check.status if check is not None else values,
         log.next_status(check) if check is not None else values, log.ring if check is not None else values,
         check.slot if check is not None else 0, check.seq if check is not None else 0, out,
         resident.info if resident is not None else values, resident.words if resident is not None else values,
-        BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP, CHECK=check is not None,
-        REMAP=resident is not None)
+        BLOCK=block, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None, REMAP=resident is not None)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
