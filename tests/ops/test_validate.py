@@ -228,3 +228,34 @@ def test_skip_warnings_point_at_the_callers_line():
         with pytest.warns(UserWarning, match="skipped 1 out-of-range") as record:
             call()
         assert record[0].filename == __file__
+
+
+@requires_kernels
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_collection_check_over_several_blocks_a_program(monkeypatch, chunks):
+    """Blocks of 1024 values, several a program: features that start inside a block and one that
+    spans blocks, a bad id in the last block of a program and one in a feature's first value;
+    every block's verdict reaches the status, and a good batch passes."""
+    from embfuse.ops import tuning
+    from embfuse.ops.collection import Plan
+    from embfuse.ops.validate import validate_collection
+
+    monkeypatch.setattr(tuning, "check_chunks", lambda n: chunks)
+    rows = [50, 3, 7000, 20]
+    plan = Plan([(r, 4) for r in rows], [(f, "sum", 4 * f) for f in range(4)], KERNEL_DEVICE)
+    B = 3
+    lengths = torch.tensor([100, 0, 900, 1, 1, 1, 2500, 1000, 1, 0, 10, 700])
+    values = torch.cat([torch.randint(0, rows[g // B], (int(n),)) for g, n in enumerate(lengths)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    keys = [f"f{i}" for i in range(4)]
+    args = (offsets.to(KERNEL_DEVICE), None, plan.limits, B, keys, keys)
+    *_, check = validate_collection(values.to(KERNEL_DEVICE), *args, kernel=True)
+    assert int(check.status[0]) == 0
+    check_errors()
+    for at, value in ((2047, 7000), (1000, 3), (999, 50), (4000, -1), (int(offsets[9]), 20)):
+        bad = values.clone()
+        bad[at] = value
+        *_, check = validate_collection(bad.to(KERNEL_DEVICE), *args, kernel=True)
+        assert int(check.status[0]) == BAD_ID, at
+        with pytest.raises(IndexError):
+            check_errors()

@@ -95,39 +95,48 @@ def _feature_of(offsets, p, B, F, STEPS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
-                       BLOCK: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
+                       REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
-    value inside its feature's table (limits[f] rows). One flat pass: program i reads values
-    [i * BLOCK, (i + 1) * BLOCK) and offsets likewise. A block's features come from a scalar
-    binary search of its first and last value (STEPS = bits of F), and each value's feature from
-    the few feature starts inside the block: almost every block lies in one feature. The per-bag pass it replaces
-    (8 bags a program) left lanes idle on short bags (~1.3 TB/s), and a binary search per value
-    was latency-bound (benchmarks/NOTES.md, sessions 10 and 14).
-    REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
+    value inside its feature's table (limits[f] rows). One flat pass: program i reads CHUNKS
+    blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. A block's
+    last feature comes from a scalar binary search (STEPS = bits of F; its first is the previous
+    block's last), each value's from the few feature starts inside the block: almost every block
+    lies in one feature. The per-bag pass it replaces (8 bags a program) left lanes idle on short
+    bags (~1.3 TB/s); a binary search per value was latency-bound (benchmarks/NOTES.md, sessions
+    10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
-    first = pid.to(tl.int64) * BLOCK
-    pos = first + tl.arange(0, BLOCK)
-    in_values = pos < n
-    v = tl.load(values + pos, mask=in_values, other=0).to(tl.int64)
-    f_first = _feature_of(offsets, first, B, F, STEPS)
-    f_last = _feature_of(offsets, tl.minimum(first + BLOCK, n) - 1, B, F, STEPS)
-    f = tl.zeros([BLOCK], dtype=tl.int64) + f_first
-    for k in range(f_first + 1, f_last + 1):  # the few feature starts inside this block
-        f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
-    # a block inside one feature (almost all) loads one address for every lane: a broadcast
-    limit = tl.load(limits + f, mask=in_values, other=0)
-    bad = in_values & ((v < 0) | (v >= limit))
-    if REMAP:
-        first_row = tl.load(info + f * 3, mask=in_values, other=0)
-        rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
-        new = hot_ids(v, in_values & ~bad, first_row, rel, words)
-        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_values)
+    start = pid.to(tl.int64) * (CHUNKS * BLOCK)
+    f_first = _feature_of(offsets, start, B, F, STEPS)
+    bad_any = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
+    for c in range(CHUNKS):
+        first = start + c * BLOCK
+        pos = first + tl.arange(0, BLOCK)
+        in_values = pos < n
+        v = tl.load(values + pos, mask=in_values, other=0).to(tl.int64)
+        f_last = _feature_of(offsets, tl.maximum(tl.minimum(first + BLOCK, n) - 1, first), B, F, STEPS)
+        f = tl.zeros([BLOCK], dtype=tl.int64) + f_first
+        for k in range(f_first + 1, f_last + 1):  # the few feature starts inside this block
+            f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
+        # a block inside one feature (almost all) loads one address for every lane: a broadcast
+        limit = tl.load(limits + f, mask=in_values, other=0)
+        bad = in_values & ((v < 0) | (v >= limit))
+        bad_any = tl.maximum(bad_any, bad.to(tl.int32))
+        if REMAP:
+            first_row = tl.load(info + f * 3, mask=in_values, other=0)
+            rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
+            new = hot_ids(v, in_values & ~bad, first_row, rel, words)
+            tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_values)
+        if CHECK:
+            cur = tl.load(offsets + pos, mask=pos <= FB, other=0).to(tl.int64)
+            has_next = pos < FB
+            nxt = tl.load(offsets + pos + 1, mask=has_next, other=0).to(tl.int64)
+            bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == FB) & (cur != n))
+            bad_off_any = tl.maximum(bad_off_any, bad_off.to(tl.int32))
+        f_first = f_last
     if CHECK:
-        cur = tl.load(offsets + pos, mask=pos <= FB, other=0).to(tl.int64)
-        has_next = pos < FB
-        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0).to(tl.int64)
-        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == FB) & (cur != n))
-        flags = tl.max(bad.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
+        flags = tl.max(bad_any) * K_BAD_ID + tl.max(bad_off_any) * K_BAD_OFFSETS
         if pid == 0:
             tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
         _report(status, ring, slot, seq, flags)
@@ -294,13 +303,15 @@ def launch_bags_check(log, check, values, offsets, limits, B, remap=None):
     F = max(1, FB // max(B, 1))
     n = values.numel()
     block = tuning.CHECK_BLOCK
+    chunks = tuning.check_chunks(max(n, FB + 1))
     resident, out = remap if remap is not None else (None, values)
-    launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block)),)](
+    launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
         values, offsets, limits, n, FB, max(B, 1), F, check.status if check is not None else values,
         log.next_status(check) if check is not None else values, log.ring if check is not None else values,
         check.slot if check is not None else 0, check.seq if check is not None else 0, out,
         resident.info if resident is not None else values, resident.words if resident is not None else values,
-        BLOCK=block, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None, REMAP=resident is not None)
+        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
+        REMAP=resident is not None)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,

@@ -61,6 +61,17 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
 # ids a program of the flat single-table check (NOTES: "check kernels")
 CHECK_BLOCK = 1024
 
+
+def check_chunks(n: int) -> int:
+    """Blocks of CHECK_BLOCK values a keyed batch's check program takes (a power of two, 1-8):
+    enough programs for about four an SM of an H100 (528), and no more, since each program pays
+    one binary search of the feature starts and two atomics on the status (benchmarks/NOTES.md,
+    session 14)."""
+    chunks = 1
+    while chunks < 8 and n >= 2 * chunks * CHECK_BLOCK * 528:
+        chunks *= 2
+    return chunks
+
 # ---- the segment reduction (ops/segments.py) and the fused optimizers (optim/) ----
 
 # levels of at most this many entries take the small-level tile shape (see level_shape)
