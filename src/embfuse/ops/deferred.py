@@ -79,15 +79,15 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
 
 
 @triton.jit
-def _feature_of(offsets, p, B, F, STEPS: tl.constexpr):
-    """The feature whose values hold position p: the last f in [0, F) with offsets[f * B] <= p
-    (a scalar binary search over the feature starts; clamped into [0, F) whatever they say)."""
-    lo = tl.full([], 0, tl.int64)
+def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
+    """The feature whose values hold each position of `p`: the last f in [0, F) with
+    offsets[f * B] <= p (a binary search of the feature starts, all lanes at once; clamped into
+    [0, F) whatever the offsets say)."""
+    lo = tl.zeros(p.shape, dtype=tl.int64)
     hi = lo + F - 1
     for _ in range(STEPS):
         mid = (lo + hi + 1) // 2
-        start = tl.load(offsets + mid * B).to(tl.int64)
-        up = start <= p
+        up = tl.load(offsets + mid * B).to(tl.int64) <= p
         lo = tl.where(up & (lo < hi), mid, lo)
         hi = tl.where(up | (lo >= hi), hi, mid - 1)
     return lo
@@ -99,15 +99,17 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
                        REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows). One flat pass: program i reads CHUNKS
-    blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. A block's
-    last feature comes from a scalar binary search (STEPS = bits of F; its first is the previous
-    block's last), each value's from the few feature starts inside the block: almost every block
-    lies in one feature. The per-bag pass it replaces (8 bags a program) left lanes idle on short
+    blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
+    features at the blocks' first values come from one binary search of the feature starts, all
+    blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
+    almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left lanes idle on short
     bags (~1.3 TB/s); a binary search per value was latency-bound (benchmarks/NOTES.md, sessions
     10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
-    f_first = _feature_of(offsets, start, B, F, STEPS)
+    # the features at every block's first value (and the next program's), searched at once
+    j = tl.arange(0, 2 * CHUNKS)
+    f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
     bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
     for c in range(CHUNKS):
@@ -115,9 +117,10 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         pos = first + tl.arange(0, BLOCK)
         in_values = pos < n
         v = tl.load(values + pos, mask=in_values, other=0).to(tl.int64)
-        f_last = _feature_of(offsets, tl.maximum(tl.minimum(first + BLOCK, n) - 1, first), B, F, STEPS)
+        f_first = tl.sum(tl.where(j == c, f_at, 0))
+        f_next = tl.sum(tl.where(j == c + 1, f_at, 0))  # the next block's first: at least this one's last
         f = tl.zeros([BLOCK], dtype=tl.int64) + f_first
-        for k in range(f_first + 1, f_last + 1):  # the few feature starts inside this block
+        for k in range(f_first + 1, f_next + 1):  # the few feature starts inside this block
             f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
         # a block inside one feature (almost all) loads one address for every lane: a broadcast
         limit = tl.load(limits + f, mask=in_values, other=0)
@@ -134,7 +137,6 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
             nxt = tl.load(offsets + pos + 1, mask=has_next, other=0).to(tl.int64)
             bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == FB) & (cur != n))
             bad_off_any = tl.maximum(bad_off_any, bad_off.to(tl.int32))
-        f_first = f_last
     if CHECK:
         flags = tl.max(bad_any) * K_BAD_ID + tl.max(bad_off_any) * K_BAD_OFFSETS
         if pid == 0:

@@ -64,9 +64,8 @@ CHECK_BLOCK = 1024
 
 def check_chunks(n: int) -> int:
     """Blocks of CHECK_BLOCK values a keyed batch's check program takes (a power of two, 1-8):
-    enough programs for about four an SM of an H100 (528), and no more, since each program pays
-    one binary search of the feature starts and two atomics on the status (benchmarks/NOTES.md,
-    session 14)."""
+    enough programs for about four an SM of an H100 (528), and no more, since each program waits
+    once on a binary search of the feature starts (benchmarks/NOTES.md, session 14)."""
     chunks = 1
     while chunks < 8 and n >= 2 * chunks * CHECK_BLOCK * 528:
         chunks *= 2
