@@ -101,3 +101,24 @@ def test_rowwise_collection_providers_on_cpu():
         assert isinstance(ebc.optimizer, embfuse.optim.RowWiseAdagrad)
     with pytest.raises(Unsupported):
         COLLECTION_PROVIDERS["torch"](w, kjt, "cpu", True)
+
+
+def test_l2_bench_batches_and_report_on_cpu(tmp_path):
+    """bench --l2's batches (one table: fixed L ids a bag; tables: make_batch's over their rows),
+    its table and files; the GPU measure itself runs on the device machine."""
+    from embfuse.bench import residency
+
+    one, twelve = residency.WORKLOADS[0], residency.WORKLOADS[-1]
+    small = [residency.Workload(w.name, w.kind, 1000, w.dim, 8, w.hotness, w.dist, w.alpha, tables=w.tables)
+             for w in (one, twelve)]
+    b1 = residency._batch(small[0], "cpu", 0)
+    assert b1.values().numel() == 8 * one.hotness and bool((b1.values() < 1000).all())
+    b12 = residency._batch(small[1], "cpu", 0)
+    assert b12.keys() == [f"f{i}" for i in range(12)] and bool((b12.values() < 1000).all())
+    row = {"workload": "w", "embfuse": 10.0, "embfuse resident": 8.0, "fbgemm": "skipped", "hit": 0.5,
+           "window_MB": 1.0, "dram_bound_us": 5.0, "all_in_l2_us": 4.0}
+    meta = {"gpu": "g", "torch": "t", "triton": "3", "fbgemm_gpu": None, "commit": "c", "date": "d",
+            "copy_bandwidth_GBps": 1.0, "persisting": {"max_persisting_bytes": 2**20}}
+    path = residency.write({"meta": meta, "rows": [row]}, tmp_path)
+    text = path.read_text()
+    assert "| w | 10.0 | 8.0 |" in text and "1.25x" in text and (tmp_path / "bench-l2.json").exists()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import statistics
 import time
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 import embfuse
 import embfuse.fx
 from embfuse.bench.eager import EagerModel, eager_batch
+from embfuse.bench.report import write_result
 from embfuse.bench.runner import copy_bandwidth, metadata
 from embfuse.fx.staging import Staging, copy_all, end_to_end
 
@@ -326,7 +326,4 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-fx.json").write_text(json.dumps(result, indent=1))
-    (out / "bench-fx.md").write_text(markdown(result) + "\n")
-    return out / "bench-fx.md"
+    return write_result(result, out, "bench-fx", markdown)

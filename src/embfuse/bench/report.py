@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -79,3 +80,11 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_result(result: dict, out: Path, name: str, markdown) -> Path:
+    """`result` as `name`.json and `markdown(result)` as `name`.md in `out`; the .md's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(markdown(result) + "\n")
+    return out / f"{name}.md"

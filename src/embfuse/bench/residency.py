@@ -18,7 +18,6 @@ from DRAM, the most residency could give.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import embfuse
 from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.peers import fbgemm_tbe
 from embfuse.bench.providers import attempt
+from embfuse.bench.report import write_result
 from embfuse.bench.runner import _host_us, copy_bandwidth, metadata
 from embfuse.bench.workloads import Workload, generate_ids
 
@@ -185,8 +185,5 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-l2.json").write_text(json.dumps(result, indent=1))
-    (out / "bench-l2.md").write_text(markdown(result) + "\n")
-    return out / "bench-l2.md"
+    return write_result(result, out, "bench-l2", markdown)
 
