@@ -252,3 +252,42 @@ def test_string_forms_are_torchrecs():
     assert str(kt) == 'KeyedTensor({\n    "x": [[1.0]],\n    "y": [[2.0, 3.0]]\n})\n'
     with pytest.raises(ValueError, match="needs lengths or offsets"):
         KeyedJaggedTensor(["a"], torch.tensor([1]))
+
+
+def test_variable_batch_size_per_key():
+    """TorchRec's VBE: key "a" has 3 samples (2 from rank 0, 1 from rank 1), key "b" 1; the
+    per-key slicing, split, permute, concat, moves and round trips follow each key's own count."""
+    lengths = torch.tensor([1, 0, 2, 3])
+    values, weights = torch.arange(6), torch.rand(6)
+    inverse = (["a", "b"], torch.tensor([[0, 1, 2, 2], [0, 0, 0, 0]]))
+    kjt = KeyedJaggedTensor(["a", "b"], values, weights, lengths=lengths, stride_per_key_per_rank=[[2, 1], [1]],
+                            inverse_indices=inverse)
+    assert kjt.variable_stride_per_key() and kjt.stride_per_key() == [3, 1]
+    assert kjt.stride_per_key_per_rank() == [[2, 1], [1]] and kjt.stride() == 4  # the inverse indices' batch
+    assert kjt.lengths_offset_per_key() == [0, 3, 4] and kjt.length_per_key() == [3, 3]
+    assert kjt.inverse_indices() is inverse
+    d = kjt.to_dict()
+    assert torch.equal(d["a"].lengths(), torch.tensor([1, 0, 2])) and torch.equal(d["b"].values(), values[3:])
+    assert torch.equal(d["b"].weights(), weights[3:])
+    a, b = kjt.split([1, 1])
+    assert a.stride_per_key_per_rank() == [[2, 1]] and torch.equal(b.lengths(), torch.tensor([3]))
+    p = kjt.permute([1, 0])
+    assert p.stride_per_key() == [1, 3] and torch.equal(p.values(), torch.cat([values[3:], values[:3]]))
+    both = KeyedJaggedTensor.concat([a, b])
+    assert both.stride_per_key() == [3, 1] and torch.equal(both.values(), values)
+    assert torch.equal(KeyedJaggedTensor.from_jt_dict(d).lengths(), lengths)
+    assert KeyedJaggedTensor.from_jt_dict(d).stride_per_key() == [3, 1]
+    pinned = kjt.pin_memory() if torch.cuda.is_available() else kjt
+    assert pinned.stride_per_key_per_rank() == [[2, 1], [1]] and pinned.inverse_indices_or_none() is not None
+    without = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[2, 1], [1]])
+    assert without.stride() == 3  # the largest key's
+    with pytest.raises(ValueError, match="stride_per_key_per_rank has 1 rows for 2 keys"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[4]])
+    with pytest.raises(ValueError, match="gives the keys"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[2], [1]])
+    with pytest.raises(ValueError, match=r"feature 'b': lengths\[3\] \(sample 0\) = -1"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 2, -1]), stride_per_key_per_rank=[[3], [1]])
+    # a lookup of such a batch is not built yet: a clear refusal, not a wrong answer
+    ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["a", "b"])])
+    with pytest.raises(NotImplementedError, match="different batch sizes"):
+        ebc(kjt)

@@ -194,6 +194,11 @@ class _Collection(FusedModule, torch.nn.Module):
 
     def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch restricted to this collection's features (extra keys dropped)."""
+        if kjt.variable_stride_per_key():
+            raise NotImplementedError(
+                f"a batch whose features have different batch sizes (stride_per_key "
+                f"{kjt.stride_per_key()}; TorchRec's variable batch size) cannot be looked up yet: give every "
+                f"feature {kjt.stride()} samples")
         missing = [f for f in self.feature_names if f not in kjt.keys()]
         if missing:
             raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")

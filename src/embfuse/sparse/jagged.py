@@ -2,11 +2,13 @@
 
 Key-major layout: `lengths` holds the bag lengths of key 0 for every sample, then key 1, ...;
 `values` holds the ids in that order, `weights` (optional) one float per value. With F keys and
-stride B samples, lengths has F * B entries and offsets F * B + 1.
+stride B samples, lengths has F * B entries and offsets F * B + 1; with a batch size per key
+(TorchRec's variable batch, `stride_per_key_per_rank`), key f has its own B_f entries.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Optional, Sequence
 
@@ -183,24 +185,49 @@ class KeyedJaggedTensor(_Jagged):
     their dtype; any dtype and shape [n, ...] otherwise, as TorchRec's generic container);
     lengths or offsets (F * B [+1]); weights: optional per-value floats; stride: B (inferred from
     the lengths when omitted). A key may appear twice (permute([1, 1])): indexing by it finds the
-    last, as TorchRec's does."""
+    last, as TorchRec's does.
+
+    Variable batch size per feature (TorchRec's VBE): `stride_per_key_per_rank[f]` lists how many
+    samples key f has from each rank (key f then has their sum of lengths), and `inverse_indices`
+    = (keys, tensor (F, B)) maps each of the B samples of the full batch to its row of a key's
+    deduplicated samples; stride() is then B (or, without inverse indices, the largest key's)."""
 
     def __init__(self, keys: Sequence[str], values: Tensor, weights: Optional[Tensor] = None,
                  lengths: Optional[Tensor] = None, offsets: Optional[Tensor] = None, stride: Optional[int] = None,
-                 length_per_key: Optional[list[int]] = None):
+                 length_per_key: Optional[list[int]] = None, stride_per_key_per_rank=None, inverse_indices=None):
         if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
             raise TypeError(f"keys must be a sequence of strings (feature names), got {keys!r}")
         self._keys = list(keys)
         self._set(values, weights, lengths, offsets)
         F = len(self._keys)
         n = self._lengths.numel()
-        if stride is None:
-            if F and n % F:
-                raise ValueError(f"{n} lengths do not split evenly over {F} keys")
-            stride = n // F if F else 0
-        elif n != F * stride:
-            raise ValueError(f"lengths has {n} entries; {F} keys x stride {stride} needs {F * stride}")
+        self._stride_per_key_per_rank = None
+        self._inverse_indices = inverse_indices
+        if stride_per_key_per_rank is not None:
+            spkpr = (stride_per_key_per_rank.tolist() if torch.is_tensor(stride_per_key_per_rank)
+                     else [list(r) for r in stride_per_key_per_rank])
+            if len(spkpr) != F:
+                raise ValueError(f"stride_per_key_per_rank has {len(spkpr)} rows for {F} keys")
+            self._stride_per_key_per_rank = spkpr
+            self._stride_per_key = [int(sum(r)) for r in spkpr]
+            if sum(self._stride_per_key) != n:
+                raise ValueError(f"lengths has {n} entries; stride_per_key_per_rank gives the keys "
+                                 f"{self._stride_per_key} samples ({sum(self._stride_per_key)})")
+            if stride is None:
+                if inverse_indices is not None and inverse_indices[1].numel():
+                    stride = inverse_indices[1].shape[-1]
+                else:
+                    stride = max(self._stride_per_key, default=0)
+        else:
+            if stride is None:
+                if F and n % F:
+                    raise ValueError(f"{n} lengths do not split evenly over {F} keys")
+                stride = n // F if F else 0
+            elif n != F * stride:
+                raise ValueError(f"lengths has {n} entries; {F} keys x stride {stride} needs {F * stride}")
+            self._stride_per_key = [stride] * F
         self._stride = stride
+        self._bounds = list(itertools.accumulate(self._stride_per_key, initial=0))  # each key's lengths
         self._length_per_key = length_per_key
         if self._lengths.device.type == "cpu":
             self.validate()  # host lengths: the sums cost no device read
@@ -219,7 +246,12 @@ class KeyedJaggedTensor(_Jagged):
         """Number of values of each key (one host read the first time, if on a GPU)."""
         if self._length_per_key is None:
             F = len(self._keys)
-            self._length_per_key = self._lengths.reshape(F, self._stride).sum(1).tolist() if F else []
+            if not self.variable_stride_per_key():
+                self._length_per_key = self._lengths.reshape(F, self._stride).sum(1).tolist() if F else []
+            else:
+                ends = torch.cat([self._lengths.new_zeros(1, dtype=torch.int64), self._lengths.long().cumsum(0)])
+                at = ends[torch.tensor(self._bounds, device=ends.device)]
+                self._length_per_key = (at[1:] - at[:-1]).tolist()
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
@@ -240,31 +272,44 @@ class KeyedJaggedTensor(_Jagged):
         self._length_per_key = None
         return self
 
-    # one batch size for every key here (TorchRec's variable-batch KJTs are not supported)
     def stride_per_key(self) -> list[int]:
-        return [self._stride] * len(self._keys)
+        """Samples of each key (stride() for each, unless the batch size varies per key)."""
+        return list(self._stride_per_key)
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """TorchRec's: each key's samples from each rank ([] without a variable batch size)."""
+        return [] if self._stride_per_key_per_rank is None else [list(r) for r in self._stride_per_key_per_rank]
 
     def variable_stride_per_key(self) -> bool:
-        return False
+        return self._stride_per_key_per_rank is not None
+
+    def inverse_indices(self):
+        if self._inverse_indices is None:
+            raise ValueError("this KeyedJaggedTensor has no inverse indices")
+        return self._inverse_indices
 
     def inverse_indices_or_none(self):
-        return None
+        return self._inverse_indices
 
     def lengths_offset_per_key(self) -> list[int]:
         """Where each key's lengths start in lengths(), and their end."""
-        return [i * self._stride for i in range(len(self._keys) + 1)]
+        return list(self._bounds)
 
     def index_per_key(self) -> dict[str, int]:
         """key -> its position in keys() (a repeated key: its last)."""
         return {k: i for i, k in enumerate(self._keys)}
 
     @staticmethod
-    def from_lengths_sync(keys, values, lengths, weights=None, stride=None) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=stride)
+    def from_lengths_sync(keys, values, lengths, weights=None, stride=None, stride_per_key_per_rank=None,
+                          inverse_indices=None) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
 
     @staticmethod
-    def from_offsets_sync(keys, values, offsets, weights=None, stride=None) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, weights, offsets=offsets, stride=stride)
+    def from_offsets_sync(keys, values, offsets, weights=None, stride=None, stride_per_key_per_rank=None,
+                          inverse_indices=None) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(keys, values, weights, offsets=offsets, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
 
     @staticmethod
     def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
@@ -290,18 +335,20 @@ class KeyedJaggedTensor(_Jagged):
         weighted = [jt.weights_or_none() is not None for jt in jts]
         if any(weighted) and not all(weighted):
             raise ValueError("either every JaggedTensor has weights or none has")
+        samples = [jt.lengths().numel() for jt in jts]
         return KeyedJaggedTensor(
             list(jt_dict), torch.cat([jt.values() for jt in jts]),
             torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
             lengths=torch.cat([jt.lengths() for jt in jts]),
-            length_per_key=[jt.values().shape[0] for jt in jts])
+            length_per_key=[jt.values().shape[0] for jt in jts],
+            stride_per_key_per_rank=[[b] for b in samples] if len(set(samples)) > 1 else None)
 
     # --- slicing by key ---
     def _key_slices(self):
-        B, lpk, opk = self._stride, self.length_per_key(), self.offset_per_key()
+        at, lpk, opk = self._bounds, self.length_per_key(), self.offset_per_key()
         self._check_total(opk[-1])
         for i, key in enumerate(self._keys):
-            yield key, slice(i * B, (i + 1) * B), slice(opk[i], opk[i] + lpk[i])
+            yield key, slice(at[i], at[i + 1]), slice(opk[i], opk[i] + lpk[i])
 
     def _per_key(self) -> list[JaggedTensor]:
         """Each key's JaggedTensor, by position (keys may repeat)."""
@@ -327,15 +374,17 @@ class KeyedJaggedTensor(_Jagged):
         if sum(segments) != len(self._keys):
             raise ValueError(f"segments {list(segments)} do not add up to the {len(self._keys)} keys")
         out, start = [], 0
-        B, opk, lpk = self._stride, self.offset_per_key(), self.length_per_key()
+        at, opk, lpk = self._bounds, self.offset_per_key(), self.length_per_key()
+        spkpr = self._stride_per_key_per_rank
         self._check_total(opk[-1])
         for size in segments:
             keys = self._keys[start:start + size]
             vs = slice(opk[start], opk[start + size])
             out.append(KeyedJaggedTensor(
                 keys, self._values[vs], None if self._weights is None else self._weights[vs],
-                lengths=self._lengths[start * B:(start + size) * B], stride=B,
-                length_per_key=lpk[start:start + size]))
+                lengths=self._lengths[at[start]:at[start + size]], stride=self._stride,
+                length_per_key=lpk[start:start + size],
+                stride_per_key_per_rank=None if spkpr is None else spkpr[start:start + size]))
             start += size
         return out
 
@@ -347,11 +396,25 @@ class KeyedJaggedTensor(_Jagged):
             [self._keys[i] for i in indices], torch.cat([jt.values() for jt in jts]) if jts else self._values[:0],
             None if self._weights is None else torch.cat([jt.weights() for jt in jts]) if jts else self._weights[:0],
             lengths=torch.cat([jt.lengths() for jt in jts]) if jts else self._lengths[:0], stride=self._stride,
-            length_per_key=[self.length_per_key()[i] for i in indices])
+            length_per_key=[self.length_per_key()[i] for i in indices],
+            stride_per_key_per_rank=None if self._stride_per_key_per_rank is None else
+            [self._stride_per_key_per_rank[i] for i in indices])
 
     @staticmethod
     def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
-        """Keys of every KJT in order (same stride, keys distinct)."""
+        """Keys of every KJT in order (same stride, keys distinct; with a variable batch size per
+        key, each key keeps its own)."""
+        if any(k.variable_stride_per_key() for k in kjts):
+            weighted = {k.weights_or_none() is not None for k in kjts}
+            if len(weighted) > 1:
+                raise ValueError("either every KJT has weights or none has")
+            return KeyedJaggedTensor(
+                [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
+                torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+                lengths=torch.cat([k.lengths() for k in kjts]),
+                length_per_key=[n for k in kjts for n in k.length_per_key()],
+                stride_per_key_per_rank=[r for k in kjts for r in
+                                         (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])])
         if len({k.stride() for k in kjts}) > 1:
             raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
         weighted = {k.weights_or_none() is not None for k in kjts}
@@ -397,8 +460,12 @@ class KeyedJaggedTensor(_Jagged):
         return [buf[a:a + s].view(t.dtype).view(t.shape) for t, a, s in zip(self._tensors(), starts, sizes)]
 
     def _with(self, values, lengths, weights=None):
+        inverse = self._inverse_indices
+        if inverse is not None and inverse[1].device != values.device:
+            inverse = (inverse[0], inverse[1].to(values.device, non_blocking=True))
         return KeyedJaggedTensor(self._keys, values, weights, lengths=lengths, stride=self._stride,
-                                 length_per_key=self._length_per_key)
+                                 length_per_key=self._length_per_key,
+                                 stride_per_key_per_rank=self._stride_per_key_per_rank, inverse_indices=inverse)
 
     def to(self, device, non_blocking: bool = False) -> "KeyedJaggedTensor":
         """Move to `device` in ONE copy: values, lengths and weights are packed into one byte
@@ -419,33 +486,37 @@ class KeyedJaggedTensor(_Jagged):
     # --- checks and TorchRec interop ---
     def validate(self) -> "KeyedJaggedTensor":
         """Raise if lengths are negative or do not add up to the values (one host read)."""
-        F, B = len(self._keys), self._stride
         if self._lengths.is_floating_point():
             raise TypeError(f"lengths must be integers, got {self._lengths.dtype}")
         if self._weights is not None and self._weights.shape != self._values.shape[:1]:
             raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
                              f"{tuple(self._values.shape)}")
-        lengths = self._lengths.reshape(F, B) if F else self._lengths.reshape(0, 0)
+        lengths = self._lengths
         neg, total = (lengths < 0).any(), lengths.sum()
         neg, total = torch.stack([neg.long(), total.long()]).tolist()
         if neg:
-            f, b = (lengths < 0).nonzero()[0].tolist()
-            raise ValueError(f"feature {self._keys[f]!r}: lengths[{f * B + b}] (sample {b}) = "
-                             f"{int(lengths[f, b])} is negative")
+            i = int((lengths < 0).nonzero()[0])
+            f = bisect.bisect_right(self._bounds, i) - 1
+            raise ValueError(f"feature {self._keys[f]!r}: lengths[{i}] (sample {i - self._bounds[f]}) = "
+                             f"{int(lengths[i])} is negative")
         if total != self._values.shape[0]:
             raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
         return self
 
     @staticmethod
     def from_torchrec(kjt) -> "KeyedJaggedTensor":
+        variable = kjt.variable_stride_per_key()
         return KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights_or_none(), lengths=kjt.lengths(),
-                                 stride=kjt.stride())
+                                 stride=kjt.stride(),
+                                 stride_per_key_per_rank=kjt.stride_per_key_per_rank() if variable else None,
+                                 inverse_indices=kjt.inverse_indices_or_none())
 
     def to_torchrec(self):
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchRecKJT
 
         return TorchRecKJT(keys=self._keys, values=self._values, weights=self._weights, lengths=self._lengths,
-                           stride=self._stride)
+                           stride=self._stride, stride_per_key_per_rank=self._stride_per_key_per_rank,
+                           inverse_indices=self._inverse_indices)
 
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values}, "
