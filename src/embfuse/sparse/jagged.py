@@ -404,18 +404,8 @@ class KeyedJaggedTensor(_Jagged):
     def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
         """Keys of every KJT in order (same stride, keys distinct; with a variable batch size per
         key, each key keeps its own)."""
-        if any(k.variable_stride_per_key() for k in kjts):
-            weighted = {k.weights_or_none() is not None for k in kjts}
-            if len(weighted) > 1:
-                raise ValueError("either every KJT has weights or none has")
-            return KeyedJaggedTensor(
-                [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
-                torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
-                lengths=torch.cat([k.lengths() for k in kjts]),
-                length_per_key=[n for k in kjts for n in k.length_per_key()],
-                stride_per_key_per_rank=[r for k in kjts for r in
-                                         (k.stride_per_key_per_rank() or [[s] for s in k.stride_per_key()])])
-        if len({k.stride() for k in kjts}) > 1:
+        variable = any(k.variable_stride_per_key() for k in kjts)
+        if not variable and len({k.stride() for k in kjts}) > 1:
             raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
         weighted = {k.weights_or_none() is not None for k in kjts}
         if len(weighted) > 1:
@@ -423,8 +413,11 @@ class KeyedJaggedTensor(_Jagged):
         return KeyedJaggedTensor(
             [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
             torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
-            lengths=torch.cat([k.lengths() for k in kjts]), stride=kjts[0].stride(),
-            length_per_key=[n for k in kjts for n in k.length_per_key()])
+            lengths=torch.cat([k.lengths() for k in kjts]), stride=None if variable else kjts[0].stride(),
+            length_per_key=[n for k in kjts for n in k.length_per_key()],
+            stride_per_key_per_rank=[r for k in kjts for r in (k.stride_per_key_per_rank()
+                                                              or [[s] for s in k.stride_per_key()])]
+            if variable else None)
 
     def _check_total(self, total: int) -> None:
         """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
