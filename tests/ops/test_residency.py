@@ -222,7 +222,7 @@ def test_collection_on_the_gpu_bitwise_state_dict_window_and_refresh():
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_reads_the_table_as_it_is_at_replay():
-    """The copy is captured with the lookup (and the window as the kernel node's attribute):
+    """The copy is captured with the lookup (the window is set on the capturing stream as in eager):
     a replay after the table changed still gives the plain lookup's bits."""
     plain, pinned = _criteo_like("cuda", False), _criteo_like("cuda", True)
     kjt = _kjt("cuda")

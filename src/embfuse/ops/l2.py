@@ -124,9 +124,9 @@ def _window(stream_handle) -> _AttrValue:
 def persisting(tensor: torch.Tensor, nbytes: int, hit_ratio: float = 1.0, stream=None):
     """Kernels launched on `stream` (default: the current one) inside the block see the first
     `nbytes` of `tensor` as a persisting window; the stream's previous window is put back on
-    exit. Under CUDA-graph capture the captured kernels take the stream's window as their node
-    attribute, which replays keep (tests/ops/test_residency.py checks that replays give the plain
-    lookup's bits; whether a replay gains from the window is not measured)."""
+    exit. Under CUDA-graph capture the window is set on the capturing stream as in an eager call;
+    whether the replayed kernel nodes keep it was not checked (tests/ops/test_residency.py checks
+    that replays give the plain lookup's bits)."""
     handle = _stream_handle(stream)
     lib = _driver()
     previous = _window(handle)
