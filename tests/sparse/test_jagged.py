@@ -291,3 +291,14 @@ def test_variable_batch_size_per_key():
     ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["a", "b"])])
     with pytest.raises(NotImplementedError, match="different batch sizes"):
         ebc(kjt)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_jagged_tensor_to(device):
+    jt = JaggedTensor(torch.tensor([0.5, 1.0, 1.5]), torch.tensor([5.0, 10.0, 15.0]),
+                      offsets=torch.tensor([0, 2, 2, 3]))
+    moved = jt.to(device)
+    assert moved.values().device.type == device
+    for a, b in ((jt.values(), moved.values()), (jt.weights(), moved.weights()), (jt.lengths(), moved.lengths()),
+                 (jt.offsets(), moved.offsets())):
+        assert torch.equal(a, b.cpu())

@@ -130,6 +130,14 @@ class JaggedTensor(_Jagged):
                  offsets: Optional[Tensor] = None):
         self._set(values, weights, lengths, offsets)
 
+    def to(self, device, non_blocking: bool = False) -> "JaggedTensor":
+        """The same samples on `device`: values, weights, lengths and offsets (if made) copied."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return JaggedTensor(move(self._values), move(self._weights), lengths=move(self._lengths),
+                            offsets=move(self._offsets))
+
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample."""
         return list(torch.split(self._values, self._lengths.tolist()))
