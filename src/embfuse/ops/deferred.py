@@ -102,9 +102,9 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
     features at the blocks' first values come from one binary search of the feature starts, all
     blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
-    almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left lanes idle on short
-    bags (~1.3 TB/s); a binary search per value was latency-bound (benchmarks/NOTES.md, sessions
-    10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
+    almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
+    lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
+    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
     # the features at every block's first value (and the next program's), searched at once
@@ -284,34 +284,37 @@ def check_errors() -> None:
         log.wait()
 
 
-def launch_ids_check(log, check, indices, offsets, num_embeddings, remap=None):
-    """The check of one table's ids (and offsets); with `remap` = (Resident, out) it also writes
-    the ids to read (ops/residency.py) into `out`; with `check` None it only does that."""
+def _check_args(log, check, dummy) -> tuple:
+    """The check kernels' (status, status_next, ring, slot, seq) for `check`; placeholders (never
+    read: CHECK is off) when there is none."""
+    if check is None:
+        return dummy, dummy, dummy, 0, 0
+    return check.status, log.next_status(check), log.ring, check.slot, check.seq
+
+
+def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None, out=None):
+    """The check of one table's ids (and offsets); with a `resident` (ops/residency.py) it also
+    writes the ids to read into `out`; with `check` None it only does that."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.CHECK_BLOCK
-    resident, out = remap if remap is not None else (None, indices)
-    status = check.status if check is not None else indices
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
-        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, status,
-        log.next_status(check) if check is not None else indices, log.ring if check is not None else indices,
-        check.slot if check is not None else 0, check.seq if check is not None else 0, out,
+        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings,
+        *_check_args(log, check, indices), out if out is not None else indices,
         resident.info if resident is not None else indices, resident.words if resident is not None else indices,
         BLOCK=block, CHECK=check is not None, REMAP=resident is not None)
 
 
-def launch_bags_check(log, check, values, offsets, limits, B, remap=None):
-    """The check of a keyed batch; `remap`, `check` None: as launch_ids_check."""
+def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None):
+    """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check."""
     FB = offsets.numel() - 1
     F = max(1, FB // max(B, 1))
     n = values.numel()
     block = tuning.CHECK_BLOCK
     chunks = tuning.check_chunks(max(n, FB + 1))
-    resident, out = remap if remap is not None else (None, values)
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
-        values, offsets, limits, n, FB, max(B, 1), F, check.status if check is not None else values,
-        log.next_status(check) if check is not None else values, log.ring if check is not None else values,
-        check.slot if check is not None else 0, check.seq if check is not None else 0, out,
-        resident.info if resident is not None else values, resident.words if resident is not None else values,
+        values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check, values),
+        out if out is not None else values, resident.info if resident is not None else values,
+        resident.words if resident is not None else values,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
         REMAP=resident is not None)
 

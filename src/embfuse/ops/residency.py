@@ -38,6 +38,7 @@ If the rows taken serve fewer than MIN_HIT_RATE of the lookups, residency turns 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,7 +79,7 @@ def remap_words(rows: Tensor, num_rows: int) -> Tensor:
 
 
 def remap_reference(global_rows: Tensor, words: Tensor) -> tuple[Tensor, Tensor]:
-    """(hot?, slot) of each global row: pure torch, the test oracle of the kernels' `hot_row`."""
+    """(hot?, slot) of each global row: pure torch, the test oracle of `hot_ids`."""
     g = global_rows.long()
     word = words[g >> 5]
     bits = word & 0xFFFFFFFF
@@ -125,17 +126,13 @@ def choose(global_rows: Tensor, row_starts: list[int], row_bytes: list[int], bud
     hit, nbytes, per_table = float(hit), int(nbytes), per_table.tolist()
     if hit < MIN_HIT_RATE:
         return off(hit, f"the hottest rows that fit serve {hit:.1%} of lookups (< {MIN_HIT_RATE:.0%}): nothing is hot")
-    first = 0
-    tables = []
-    for k in per_table:
-        tables.append((first, k))
-        first += k
+    tables = list(zip(itertools.accumulate(per_table, initial=0), per_table))
     return HotSet(hot_rows, remap_words(hot_rows, num_rows), tables, hit, nbytes)
 
 
 @dataclass
 class Resident:
-    """What the remap pass reads: `hot` (the copy), `words`, and `info` (F, 3): per feature its
+    """What the check's rewrite reads: `hot` (the copy), `words`, and `info` (F, 3): per feature its
     table's first global row, its rows (ids outside [0, rows) are left as they are, for the
     check's verdict) and `rel` (new id of slot 0: module docstring); `int32`: whether every new
     id fits in int32; `window`: bytes of `hot` to mark persisting."""
@@ -148,7 +145,7 @@ class Resident:
 
 
 def remap_values_reference(values: Tensor, feature: Tensor, resident: Resident) -> Tensor:
-    """Pure torch: each value's new id (the test oracle of `_remap_kernel`)."""
+    """Pure torch: each value's new id (the test oracle of the check kernels' rewrite)."""
     info = resident.info[feature]
     ids = values.long()
     valid = (ids >= 0) & (ids < info[:, ROWS])

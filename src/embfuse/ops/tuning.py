@@ -58,7 +58,7 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
     return _gather_shape(D) if traced else _gather_shape_cached(D)
 
 
-# ids a program of the flat single-table check (NOTES: "check kernels")
+# ids a block of the flat checks (one table's, a keyed batch's; NOTES: "check kernels", session 14)
 CHECK_BLOCK = 1024
 
 

@@ -255,7 +255,7 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         return indices, offsets, per_sample_weights, TracedCheck(status)
     check, keep = _validate(
         indices, bounds_check, fresh, kernel, "embedding_bag",
-        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, _remapping(remap, out)),
+        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, remap, out),
         lambda: _ids_flags_reference(indices, offsets, num_embeddings),
         functools.partial(_raise_ids, indices, offsets, num_embeddings, shape, name, given_offsets,
                           bounds_check == "skip"),
@@ -317,8 +317,8 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     if tracing():
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, "\n".join(keys),
                                                                 "\n".join(tables), traced_mode(bounds_check)))
-    check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel,
-                                    _remapping(remap, out))
+    check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
+                                    out)
     if keep is None:
         return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
     values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
@@ -330,10 +330,6 @@ def _remap_out(values, remap):
     if remap is None:
         return None
     return torch.empty(values.shape, dtype=torch.int32 if remap.int32 else torch.int64, device=values.device)
-
-
-def _remapping(remap, out):
-    return None if remap is None else (remap, out)
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
@@ -354,16 +350,16 @@ def remap_ids(values, offsets, limits, B, remap, num_embeddings=None, out=None):
     out = _remap_out(values, remap) if out is None else out
     if values.numel():
         if limits is None:
-            launch_ids_check(None, None, values, None, num_embeddings, (remap, out))
+            launch_ids_check(None, None, values, None, num_embeddings, remap, out)
         else:
-            launch_bags_check(None, None, values, offsets, limits, B, (remap, out))
+            launch_bags_check(None, None, values, offsets, limits, B, remap, out)
     return out
 
 
-def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None):
+def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None, out=None):
     return _validate(
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
-        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap),
+        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out),
         lambda: _collection_flags_reference(values, offsets, limits, B),
         functools.partial(_raise_collection, values, offsets, limits, B, keys, tables, bounds_check == "skip"),
         lambda: (values >= 0) & (values < limits[bag_of_value(offsets, values.numel()) // B]),
