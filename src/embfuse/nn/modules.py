@@ -16,8 +16,8 @@ from typing import Optional
 
 from embfuse._triton import needs_op
 from embfuse.ops import embedding, embedding_bag
-from embfuse.ops.embedding_bag import pool, prepare_bags
-from embfuse.ops.residency import Residency, ResidencyReport, window
+from embfuse.ops.embedding_bag import lookup_bags
+from embfuse.ops.residency import Residency, ResidencyReport
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, sparse_layout
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
@@ -144,11 +144,6 @@ class EmbeddingBag(FusedModule, torch.nn.EmbeddingBag):
         step = self._fused.step if self._fused is not None else 0
         resident = self._residency.resident(weight, lambda: [weight], [0, self.num_embeddings],
                                             lambda: input.reshape(-1), [0], step)
-        indices, offsets, psw, mode, padding_idx, check = prepare_bags(
-            input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse_layout(sparse),
-            per_sample_weights, include_last_offset, padding_idx, self.bounds_check, "input", fresh=False,
-            remap=resident)
-        with window(resident):
-            out, _ = pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False,
-                          status=None if check is None else check.status)
-        return out
+        return lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode,
+                           sparse_layout(sparse), per_sample_weights, include_last_offset, padding_idx,
+                           self.bounds_check, "input", resident)

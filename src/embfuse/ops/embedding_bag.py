@@ -24,6 +24,7 @@ from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, MAX, POOLINGS, SCALED, SQRT
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
+from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
 
@@ -413,16 +414,25 @@ def embedding_bag(
     (checks nothing: ids must be valid). See ops/validate.py. `name` is how errors call the
     input (a feature name, say).
     """
-    sparse = sparse_layout(sparse)
+    return lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse_layout(sparse),
+                       per_sample_weights, include_last_offset, padding_idx, bounds_check, name)
+
+
+def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                include_last_offset, padding_idx, bounds_check, name, resident=None) -> Tensor:
+    """embedding_bag's lookup (`sparse`: a layout number). `resident` (ops/residency.py; a lookup
+    that records no gradient): the check rewrites the ids to read hot rows from their copy, and
+    the pooling runs under its persisting window."""
     grad = needs_op(weight, per_sample_weights)
     indices, offsets, per_sample_weights, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name, fresh=grad)
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident)
     status = None if check is None else check.status
     if grad:
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
-        out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
-                               status=status)
+        with window(resident):
+            out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
+                          status=status)
     return out
