@@ -37,7 +37,8 @@ from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _d
 from embfuse.ops import errors
 from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference
 from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
-from embfuse.sparse.jagged import KeyedJaggedTensor, KeyedTensor
+from embfuse.sparse.jagged import KeyedJaggedTensor
+from embfuse.sparse.keyed_tensor import KeyedTensor
 
 # a header row per rank pair: the sender's status, its batch size, then its ids per feature
 _STATUS, _BATCH, _COUNTS = 0, 1, 2

@@ -31,7 +31,8 @@ from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard, validate_collectio
 from embfuse.optim.hot import HotRows
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag_collection
 from embfuse.optim.rules import init_state
-from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
+from embfuse.sparse.keyed_tensor import KeyedTensor
 
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 

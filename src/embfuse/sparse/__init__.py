@@ -1,5 +1,6 @@
 """Jagged keyed features: the batch container of every sparse feature (TorchRec's layout)."""
 
-from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
+from embfuse.sparse.keyed_tensor import KeyedTensor
 
 __all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]
