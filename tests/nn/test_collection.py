@@ -172,7 +172,7 @@ def test_opcheck_and_compile():
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
                           (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None,
                            torch.zeros(2, dtype=torch.int32), P.meta, P.src_meta, 4, P.total_dim, P.max_dim, L.vec,
-                           L.wide_keys, P.scaled, P.sqrtn))
+                           L.wide_keys, P.scaled, P.weight_sums))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
@@ -244,13 +244,14 @@ def test_a_batch_of_values_but_no_bags_is_refused(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_sqrtn_tables_pool_and_train_like_the_single_table_op(device, weighted):
-    """pooling="sqrtn" in a collection (mixed with sum and mean, weighted or not): each feature
-    as embfuse.embedding_bag(mode="sqrtn") pools it, in float64; and one fused SGD step moves
-    the rows as that op's gradient says."""
-    ts = [EmbeddingBagConfig(20, 4, "user", torch.float64, ["uid", "friend"], pooling="sqrtn"),
+@pytest.mark.parametrize("pooling", ["sqrtn", "wmean"])
+def test_tensorflow_poolings_pool_and_train_like_the_single_table_op(device, weighted, pooling):
+    """pooling="sqrtn" / "wmean" in a collection (mixed with sum and mean, weighted or not): each
+    feature as embfuse.embedding_bag(mode=pooling) pools it, in float64; and one fused SGD step
+    moves the rows as that op's gradient says."""
+    ts = [EmbeddingBagConfig(20, 4, "user", torch.float64, ["uid", "friend"], pooling=pooling),
           EmbeddingBagConfig(9, 3, "item", torch.float64, ["iid"], pooling="sum" if weighted else "mean"),
-          EmbeddingBagConfig(5, 8, "genre", torch.float64, ["genres"], pooling="sqrtn")]
+          EmbeddingBagConfig(5, 8, "genre", torch.float64, ["genres"], pooling=pooling)]
     ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device, optimizer=SGD(lr=0.5))
     kjt = random_kjt(["uid", "friend", "iid", "genres"], 5, device, weighted)
     before = [w.detach().clone().requires_grad_() for w in ebc.table_weights()]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embfuse.ops import tuning
-from embfuse.ops.bags import POOL, SQRTN, backward_inputs, backward_inputs_reference
+from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference
 from embfuse.ops.collection import (Plan, collection_backward,
                                     collection_backward_reference, collection_forward, collection_reference)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -13,9 +13,9 @@ from embfuse.optim.rules import init_state
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close
 
-# mixed widths (1, 3, 16, 33), a table shared by two features, sum, mean and sqrtn
+# mixed widths (1, 3, 16, 33), tables shared by two features, sum, mean, sqrtn and wmean
 TABLES = [(11, 3), (7, 16), (5, 1), (9, 33)]
-FEATURES = [(0, "sum"), (1, "mean"), (0, "mean"), (2, "sqrtn"), (3, "sum")]
+FEATURES = [(0, "sum"), (1, "mean"), (0, "mean"), (2, "sqrtn"), (3, "sum"), (1, "wmean")]
 
 
 def batch(B, device, weighted=False, max_len=4, hot=False):
@@ -79,11 +79,12 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     assert_close(out, ref, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE).to(dtype)
     L = P.layout
-    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements, P.scaled, P.sqrtn)
+    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements, P.scaled,
+                              P.weight_sums)
     want = collection_backward_reference(grad.double(), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim)
     assert_close(got, want, dtype, reduction=len(values))
     assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements,
-                                                P.scaled, P.sqrtn))
+                                                P.scaled, P.weight_sums))
 
 
 @requires_kernels
@@ -147,19 +148,20 @@ def test_backward_inputs_kernel_matches_torch(weighted, wide_keys, pooling):
     B = 7
     P = plan(KERNEL_DEVICE, pooling)
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=70)  # bags longer than a 32-wide block
-    got = backward_inputs(values, offsets, psw, P.meta, B, wide_keys=wide_keys, scaled=P.scaled, sqrtn=P.sqrtn,
-                          kernel=True)
+    got = backward_inputs(values, offsets, psw, P.meta, B, wide_keys=wide_keys, scaled=P.scaled,
+                          weight_sums=P.weight_sums, kernel=True)
     want = backward_inputs_reference(values, offsets, psw, P.meta, B, scaled=P.scaled)
     assert got[0].dtype == (torch.int64 if wide_keys else torch.int32)
     # unweighted sums scale nothing: no scale at all
     assert (got[2] is None) == (want[2] is None) == (pooling == "sum" and not weighted)
     assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1])
     if want[2] is not None:
-        # sum and mean: bitwise (IEEE division in both); sqrtn: within an ulp or two (the kernel's
-        # square root and division round on their own; the interpreter's may differ from the GPU's)
-        sqrtn = P.meta[:, POOL][want[1] // B] == SQRTN
-        assert torch.equal(got[2][~sqrtn], want[2][~sqrtn])
-        torch.testing.assert_close(got[2][sqrtn], want[2][sqrtn], rtol=1e-6, atol=0)
+        # sum and mean: bitwise (IEEE division in both); sqrtn and wmean: within an ulp or two (the
+        # kernel's sums, square root and division round on their own; the interpreter's may differ
+        # from the GPU's)
+        summed = torch.isin(P.meta[:, POOL][want[1] // B], torch.tensor(WEIGHT_SUMS, device=KERNEL_DEVICE))
+        assert torch.equal(got[2][~summed], want[2][~summed])
+        torch.testing.assert_close(got[2][summed], want[2][summed], rtol=1e-6, atol=0)
 
 
 @requires_kernels
@@ -186,7 +188,7 @@ def test_layer_norm_epilogue_matches_pool_then_chain(dtype, act, affine, weighte
     w = (torch.rand(F, D) + 0.5).to(KERNEL_DEVICE) if affine else None
     b = torch.randn(F, D).to(KERNEL_DEVICE) if affine else None
     out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec,
-                             sqrtn=P.sqrtn, epilogue=(w, b, 1e-5, act))
+                             weight_sums=P.weight_sums, epilogue=(w, b, 1e-5, act))
     pooled = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta,
                                   B, P.total_dim, P.max_dim).to(dtype).double()
     ref = layer_norm_act_reference(pooled.view(B, F, D), None if w is None else w.double(),

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import embfuse
-from embfuse.ops.bags import MAX, MEAN, SQRTN, SUM, backward_inputs_reference, single_meta
+from embfuse.ops.bags import MAX, MEAN, SQRTN, SUM, WMEAN, backward_inputs_reference, single_meta
 from embfuse.ops.embedding_bag import (
     embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward, embedding_bag_reference,
     table_backward_inputs,
@@ -27,7 +27,7 @@ def _case(D, dtype, index_dtype, weighted, device=KERNEL_DEVICE, num_bags=7, N=4
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (MAX, False), (SQRTN, False),
-                                           (SQRTN, True)])
+                                           (SQRTN, True), (WMEAN, True)])
 @pytest.mark.parametrize("padding_idx", [-1, 5])
 def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted, padding_idx):
     weight, ids, offsets, psw = _case(D, dtype, index_dtype, weighted)
@@ -53,7 +53,7 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode,weighted,freq", [(SUM, False, False), (SUM, True, False), (SUM, False, True),
                                                 (MEAN, False, False), (MEAN, False, True), (MAX, False, False),
-                                                (SQRTN, False, False), (SQRTN, True, False)])
+                                                (SQRTN, False, False), (SQRTN, True, False), (WMEAN, True, False)])
 @pytest.mark.parametrize("padding_idx", [-1, 5])
 def test_backward_kernel_matches_float64_reference(D, dtype, mode, weighted, freq, padding_idx):
     N = 40
@@ -70,19 +70,22 @@ def test_backward_kernel_matches_float64_reference(D, dtype, mode, weighted, fre
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_sqrtn_is_tensorflows_combiner(device, weighted):
-    """mode="sqrtn" against TensorFlow's definition written out bag by bag in float64: the
-    weighted sum over sqrt(sum of squared weights), over sqrt(count) unweighted, padding left
-    out, an empty bag (and a bag of zero weights) zeros; gradients through autograd too."""
+@pytest.mark.parametrize("mode", ["sqrtn", "wmean"])
+def test_tensorflows_combiners(device, weighted, mode):
+    """mode="sqrtn" and "wmean" against TensorFlow's definitions written out bag by bag in
+    float64: the weighted sum over sqrt(sum of squared weights) / over the sum of weights (over
+    sqrt(count) / count unweighted), padding left out, an empty bag, a bag whose weights sum to 0
+    and a bag of one weight 0 give zeros (div_no_nan); gradients through autograd too."""
     weight = torch.randn(9, 5, dtype=torch.float64, device=device, requires_grad=True)
-    ids = torch.tensor([1, 2, 3, 4, 4, 0, 8, 7, 4], device=device)
-    offsets = torch.tensor([0, 3, 3, 7, 8], device=device)  # bag 1 empty; id 4 is padding, bag 4 only that
+    ids = torch.tensor([1, 2, 3, 4, 4, 0, 8, 7, 4, 6, 5], device=device)
+    offsets = torch.tensor([0, 3, 3, 7, 8, 9], device=device)  # bag 1 empty; id 4 is padding, bag 4 only that
     psw = None
     if weighted:
-        psw = torch.rand(9, dtype=torch.float64, device=device) + 0.1
-        psw[7] = 0.0  # bag 3 holds one id of weight 0: its sum of squares is 0
+        psw = torch.rand(11, dtype=torch.float64, device=device) + 0.1
+        psw[7] = 0.0  # bag 3 holds one id of weight 0: its sums are 0
+        psw[10] = -psw[9]  # bag 5's weights sum to 0 (not their squares)
         psw.requires_grad_()
-    out = embfuse.embedding_bag(ids, weight, offsets, mode="sqrtn", per_sample_weights=psw, padding_idx=4)
+    out = embfuse.embedding_bag(ids, weight, offsets, mode=mode, per_sample_weights=psw, padding_idx=4)
     bounds = offsets.tolist() + [ids.numel()]
     want = []
     for b in range(offsets.numel()):
@@ -92,8 +95,9 @@ def test_sqrtn_is_tensorflows_combiner(device, weighted):
                 rows.append(weight[ids[p]])
                 ws.append(psw[p] if weighted else torch.tensor(1.0, dtype=torch.float64, device=device))
         total = sum((w * r for w, r in zip(ws, rows)), torch.zeros(5, dtype=torch.float64, device=device))
-        norm = torch.sqrt(sum(w * w for w in ws)) if ws else torch.tensor(0.0, dtype=torch.float64, device=device)
-        want.append(total / norm if norm > 0 else total * 0)
+        zero = torch.tensor(0.0, dtype=torch.float64, device=device)
+        norm = (torch.sqrt(sum(w * w for w in ws)) if mode == "sqrtn" else sum(ws)) if ws else zero
+        want.append(total / norm if norm != 0 else total * 0)
     want = torch.stack(want)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(out)
@@ -303,23 +307,23 @@ def test_large_table_int64_addressing():
 
 @requires_kernels
 @pytest.mark.parametrize("mode,weighted", [(SUM, False), (SUM, True), (MEAN, False), (SQRTN, False),
-                                           (SQRTN, True)])
+                                           (SQRTN, True), (WMEAN, False), (WMEAN, True)])
 @pytest.mark.parametrize("padding_idx", [-1, 3])
 @pytest.mark.parametrize("num_weights", [6, 2**31])
 def test_backward_inputs_kernel_matches_torch(mode, padding_idx, weighted, num_weights):
     """Per-position ids, bags and scales of the backward: empty bags, padding (not counted by
-    mean or sqrtn), weighted sqrtn (its squared weights summed per bag)."""
+    mean, sqrtn or wmean), weighted sqrtn and wmean (their weights' terms summed per bag)."""
     indices = torch.randint(0, 6, (140,), device=KERNEL_DEVICE)
     offsets = torch.tensor([0, 0, 7, 70, 71, 71, 140], device=KERNEL_DEVICE)
     psw = torch.rand(140, device=KERNEL_DEVICE) if weighted else None
     got = table_backward_inputs(indices, offsets, psw, mode, padding_idx, num_weights, 4, kernel=True)
     want = backward_inputs_reference(indices, offsets, psw, single_meta(num_weights, 4, mode, KERNEL_DEVICE), 6,
-                                     padding_idx, scaled=mode in (MEAN, SQRTN))
+                                     padding_idx, scaled=mode in (MEAN, SQRTN, WMEAN))
     assert got[0].dtype == (torch.int32 if num_weights < 2**31 else torch.int64)  # the sort keys' type
     assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1])
     keep = want[0] >= 0  # scales of positions that feed nothing do not matter
     assert (got[2] is None) == (want[2] is None)
-    if want[2] is not None and mode == SQRTN and weighted:  # squared weights summed in another order
+    if want[2] is not None and mode in (SQRTN, WMEAN) and weighted:  # weights summed in another order
         torch.testing.assert_close(got[2][keep], want[2].float()[keep], rtol=1e-6, atol=0)
     elif want[2] is not None:
         assert torch.equal(got[2][keep], want[2].float()[keep])

@@ -102,11 +102,11 @@ def test_collection_kernel_reading_hot_rows_gives_the_same_bits(weighted):
         assert torch.equal(folded, new)
     assert not torch.equal(new, values.long())
     rest = (offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
-    plain = collection_forward(weights, values, *rest, sqrtn=P.sqrtn)
-    assert torch.equal(plain, collection_forward(weights, new, *rest, sqrtn=P.sqrtn))
+    plain = collection_forward(weights, values, *rest, weight_sums=P.weight_sums)
+    assert torch.equal(plain, collection_forward(weights, new, *rest, weight_sums=P.weight_sums))
     # reading the copy, not the table: a copy of other values changes exactly the hot lookups
     res.hot.fill_(0)
-    assert not torch.equal(plain, collection_forward(weights, new, *rest, sqrtn=P.sqrtn))
+    assert not torch.equal(plain, collection_forward(weights, new, *rest, weight_sums=P.weight_sums))
 
 
 @requires_kernels

@@ -185,7 +185,7 @@ def test_apply_optimizer_in_backward_and_the_rest_of_the_model():
 
 
 def test_unsupported_combinations_are_refused():
-    with pytest.raises(ValueError, match="fused optimizer supports sum, mean and sqrtn"):
+    with pytest.raises(ValueError, match="fused optimizer supports sum, mean, sqrtn and wmean"):
         embfuse.nn.EmbeddingBag(10, 4, mode="max", optimizer=SGD())(torch.tensor([[1]]))
 
 

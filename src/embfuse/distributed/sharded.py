@@ -35,7 +35,7 @@ from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
 from embfuse.ops import errors
-from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference
+from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference, weight_term
 from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
@@ -454,23 +454,25 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         for layer in index[1:]:
             out = out + side.index_select(1, layer).float()
         if self._needs_norm:
-            out = out / self._norms(kjt, B)
+            norms = self._norms(kjt, B)  # (wmean's is 0 where its weights sum to 0: the output is 0)
+            out = torch.where(norms != 0, out / torch.where(norms != 0, norms, 1), 0)
         return out.to(recv.dtype)
 
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
-        divided by (the whole bag's count, or its weights' root sum of squares); 1 elsewhere."""
+        divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
         F, dev = len(self.feature_names), self.device
         lengths = kjt.lengths().long()
         psw = kjt.weights_or_none() if self._is_weighted else None
+        pool = self._divide.repeat_interleave(B)
         if psw is None:
-            sumsq = lengths.to(torch.float32)
+            wsum = lengths.to(torch.float32)
         else:
             offsets = kjt.offsets().long()
             bag = bag_of_value(offsets, psw.numel())
-            sumsq = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag, psw.float() ** 2)
-        pool = self._divide.repeat_interleave(B)
-        norm = pool_norm_reference(pool, lengths, sumsq).view(F, B).T
+            wsum = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag,
+                                                                                 weight_term(pool[bag], psw.float()))
+        norm = pool_norm_reference(pool, lengths, wsum).view(F, B).T
         return norm.repeat_interleave(self._dims_t, dim=1, output_size=sum(self._dims))
 
     # ---- checkpoints ----

@@ -48,11 +48,12 @@ def _dtype(data_type) -> torch.dtype:
 
 
 def _pooling(pooling) -> str:
-    """"sum" / "mean" (or TorchRec's PoolingType.SUM / MEAN), or "sqrtn" (TensorFlow's combiner:
-    the sum over the square root of the bag's length, or of its weights' sum of squares)."""
+    """"sum" / "mean" (or TorchRec's PoolingType.SUM / MEAN), or TensorFlow's combiners (ops/bags.py):
+    "sqrtn" (the sum over the square root of the bag's length, or of its weights' sum of squares)
+    and "wmean" (the sum over the bag's weights' sum: TensorFlow's mean)."""
     name = getattr(pooling, "name", str(pooling)).lower()
-    if name not in ("sum", "mean", "sqrtn"):
-        raise ValueError(f"pooling must be sum or mean (TorchRec's pooling types) or sqrtn, got {pooling!r}")
+    if name not in ("sum", "mean", "sqrtn", "wmean"):
+        raise ValueError(f"pooling must be sum or mean (TorchRec's pooling types), sqrtn or wmean, got {pooling!r}")
     return name
 
 
@@ -342,7 +343,7 @@ class EmbeddingBagCollection(_Collection):
         with window(resident):
             return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim,
                                       plan.max_dim, plan.layout.vec, status=None if check is None else check.status,
-                                      sqrtn=plan.sqrtn, epilogue=(weight, bias, eps, activation))
+                                      weight_sums=plan.weight_sums, epilogue=(weight, bias, eps, activation))
 
 
 class EmbeddingCollection(_Collection):

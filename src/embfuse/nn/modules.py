@@ -35,8 +35,8 @@ class FusedModule:
     def set_optimizer(self, optimizer) -> None:
         """Update this table inside the backward with `optimizer` from now on (fresh state)."""
         if getattr(self, "mode", "sum") == "max" or self.scale_grad_by_freq or self.sparse:
-            raise ValueError(f"a fused optimizer supports sum, mean and sqrtn pooling without scale_grad_by_freq or "
-                             f"sparse; "
+            raise ValueError(f"a fused optimizer supports sum, mean, sqrtn and wmean pooling without "
+                             f"scale_grad_by_freq or sparse; "
                              f"this module has mode={getattr(self, 'mode', None)!r}, "
                              f"scale_grad_by_freq={self.scale_grad_by_freq}, sparse={self.sparse}")
         fused = FusedOptimizer(optimizer, self.num_embeddings, self.embedding_dim, self.weight.device)

@@ -7,14 +7,17 @@ table is the case F = 1. Each bag pools its rows (padding ids left out) as
     out[b, f] = (sum over p in bag g of w[p] * row_f(values[p])) / norm(g)
 
 with w = per-sample weights or 1, and norm by the feature's pooling mode: 1 (sum), the count of
-pooled ids (mean), the square root of the sum of squared weights, which is the square root of
-the count without weights (sqrtn: TensorFlow's combiner); an empty bag gives zeros. Max pools
-per column instead. The backward sends scale[p] = w[p] / norm(g) times the bag's output gradient
-to row values[p].
+pooled ids (mean: torch's and TorchRec's, weighted or not), the square root of the sum of squared
+weights (sqrtn: TensorFlow's combiner), the sum of the weights (wmean: TensorFlow's mean). Without
+weights sqrtn is the square root of the count and wmean is mean. A norm of 0 (wmean's weights
+summing to 0, TensorFlow's div_no_nan) gives zeros, as does an empty bag. Max pools per column
+instead. The backward sends scale[p] = w[p] / norm(g) (0 where the norm is 0) times the bag's
+output gradient to row values[p].
 
 A pooling mode is one entry of POOLINGS plus one branch of `pool_norm` and of
-`pool_norm_reference`. What the kernels know about a feature is its meta row (columns named
-below; the kernels read them as K_ + the name); a single table is one row, `single_meta`.
+`pool_norm_reference` (and, if its norm sums a term of each weight, of `weight_term`). What the
+kernels know about a feature is its meta row (columns named below; the kernels read them as K_ +
+the name); a single table is one row, `single_meta`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from torch import Tensor
 from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton, use_kernels
 from embfuse.ops import tuning
 
-SUM, MEAN, MAX, SQRTN = 0, 1, 2, 3
-POOLINGS = {"sum": SUM, "mean": MEAN, "max": MAX, "sqrtn": SQRTN}
-SCALED = (MEAN, SQRTN)  # modes whose backward scales each value by 1 / norm
+SUM, MEAN, MAX, SQRTN, WMEAN = 0, 1, 2, 3, 4
+POOLINGS = {"sum": SUM, "mean": MEAN, "max": MAX, "sqrtn": SQRTN, "wmean": WMEAN}
+SCALED = (MEAN, SQRTN, WMEAN)  # modes whose backward scales each value by 1 / norm
+WEIGHT_SUMS = (SQRTN, WMEAN)  # modes whose norm sums a term of each weight (weight_term)
 
 # columns of a feature's meta row: first element of its table in the flat buffer, width, first
 # output column, pooling mode, first global row, rows, sort key of the table's row 0 (see
@@ -38,7 +42,7 @@ SCALED = (MEAN, SQRTN)  # modes whose backward scales each value by 1 / norm
 ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = range(7)
 META_COLUMNS = 7
 # the kernels' copies (see _triton.constexprs)
-K_SUM, K_MEAN, K_MAX, K_SQRTN = constexprs(SUM, MEAN, MAX, SQRTN)
+K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN)
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 
 
@@ -78,26 +82,39 @@ def pooled_values(values: Tensor, offsets: Tensor, padding_idx: int = -1) -> tup
     return keep, bag.clamp(min=0, max=max(FB - 1, 0)).long()
 
 
-def pool_norm_reference(pool: Tensor, count: Tensor, sumsq: Tensor) -> Tensor:
-    """What each bag's sum is divided by (dtype of sumsq): see the module's formula. `pool`: the
-    bag's mode, `count`: its pooled ids, `sumsq`: the sum of its squared weights (or count)."""
-    one = torch.ones_like(sumsq)
-    norm = torch.where(pool == MEAN, count.clamp(min=1).to(sumsq.dtype), one)
-    return torch.where(pool == SQRTN, torch.where(sumsq > 0, sumsq.clamp(min=0).sqrt(), one), norm)
+def weight_term(pool, w):
+    """What a weighted bag's norm sums of each weight: w^2 under sqrtn, w under wmean."""
+    return torch.where(pool == SQRTN, w * w, w)
+
+
+def pool_norm_reference(pool: Tensor, count: Tensor, wsum: Tensor) -> Tensor:
+    """What each bag's sum is divided by (dtype of wsum): see the module's formula. `pool`: the
+    bag's mode, `count`: its pooled ids, `wsum`: the sum of its weight terms (or its count).
+    Only wmean's can be 0: `divide_reference` then gives 0."""
+    one = torch.ones_like(wsum)
+    norm = torch.where(pool == MEAN, count.clamp(min=1).to(wsum.dtype), one)
+    norm = torch.where(pool == WMEAN, wsum, norm)
+    return torch.where(pool == SQRTN, torch.where(wsum > 0, wsum.clamp(min=0).sqrt(), one), norm)
+
+
+def divide_reference(x: Tensor, norm: Tensor) -> Tensor:
+    """x / norm per bag (norm: one a row of x), 0 where the norm is 0 (TensorFlow's div_no_nan)."""
+    norm = norm[:, None].to(x.dtype)
+    return torch.where(norm != 0, x / torch.where(norm != 0, norm, 1), 0)
 
 
 def bag_norms_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=torch.float32):
     """(mask of pooled values, each value's bag, each bag's norm in `dtype`, each bag's sum of
-    squared weights: its count without weights)."""
+    weight terms: its count without weights)."""
     keep, bag = pooled_values(values, offsets, padding_idx)
     FB = offsets.numel() - 1
     pool = meta[:, POOL].repeat_interleave(max(B, 1))[:FB]
     count = torch.zeros(FB, dtype=torch.int64, device=values.device).index_add_(0, bag, keep.long())
-    sumsq = count.to(dtype)
+    wsum = count.to(dtype)
     if psw is not None:
         w = torch.where(keep, psw.to(dtype), 0)
-        sumsq = torch.zeros(FB, dtype=dtype, device=values.device).index_add_(0, bag, w * w)
-    return keep, bag, pool_norm_reference(pool, count, sumsq), sumsq
+        wsum = torch.zeros(FB, dtype=dtype, device=values.device).index_add_(0, bag, weight_term(pool[bag], w))
+    return keep, bag, pool_norm_reference(pool, count, wsum), wsum
 
 
 def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=torch.float32, scaled=True):
@@ -108,7 +125,7 @@ def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dty
     keys = torch.where(keep, meta[:, KEY_START][f] + values.long(), -1)
     scale = None
     if psw is not None or scaled:
-        scale = 1.0 / norm[bag]
+        scale = torch.where(norm[bag] != 0, 1.0 / norm[bag], 0)
         if psw is not None:
             scale = psw.to(dtype) * scale
     return keys, bag, scale
@@ -128,26 +145,41 @@ def program_bags(offsets, FB, B, BAGS: tl.constexpr):
 
 
 @triton.jit
-def pool_norm(pool, count, sumsq):
+def pool_norm(pool, count, wsum):
     """`pool_norm_reference` in a kernel: fp32, IEEE square root."""
     one = tl.full(count.shape, 1.0, tl.float32)
-    sq = sumsq.to(tl.float32)
-    sqrtn = tl.where(sq > 0, tl.sqrt_rn(tl.maximum(sq, 0.0)), one)
-    return tl.where(pool == K_SQRTN, sqrtn, tl.where(pool == K_MEAN, tl.maximum(count, 1).to(tl.float32), one))
+    ws = wsum.to(tl.float32)
+    sqrtn = tl.where(ws > 0, tl.sqrt_rn(tl.maximum(ws, 0.0)), one)
+    norm = tl.where(pool == K_MEAN, tl.maximum(count, 1).to(tl.float32), one)
+    return tl.where(pool == K_SQRTN, sqrtn, tl.where(pool == K_WMEAN, ws, norm))
 
 
 @triton.jit
-def bag_scale(pool, count, sumsq):
-    """The backward's 1 / norm (IEEE division, as torch divides)."""
-    return tl.math.div_rn(1.0, pool_norm(pool, count, sumsq))
+def divide(x, norm):
+    """x / norm, 0 where the norm is 0 (wmean's div_no_nan; no other mode's norm is 0)."""
+    return tl.where(norm != 0, x / norm, 0.0)
 
 
 @triton.jit
-def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-             MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, SQ: tl.constexpr,
+def weight_terms(w, square):
+    """`weight_term` in a kernel: w * w where `square` (sqrtn), else w."""
+    return tl.where(square, w * w, w)
+
+
+@triton.jit
+def bag_scale(pool, count, wsum):
+    """The backward's 1 / norm (IEEE division, as torch divides), 0 where the norm is 0."""
+    norm = pool_norm(pool, count, wsum)
+    return tl.where(norm != 0, tl.math.div_rn(1.0, norm), 0.0)
+
+
+@triton.jit
+def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx, square,
+             MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, WSUM: tl.constexpr,
              BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
     """Pool rows ids[start:end] of `weight` over columns `cols`: (fp32 sum, or max under MAX;
-    the ids that gave the max; pooled ids; their squared weights' sum when SQ and weighted, else
+    the ids that gave the max; pooled ids; their weight terms' sum when WSUM and weighted (w * w where
+    `square`, else w), else
     the count)."""
     lane = tl.arange(0, BLOCK_L)
     # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
@@ -163,7 +195,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
     else:
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     count = tl.zeros([BLOCK_L], dtype=tl.int32)
-    sumsq = tl.zeros([BLOCK_L], dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_L], dtype=tl.float32)
     for s in range(start, end, BLOCK_L):
         pos = s + lane
         lmask = pos < end
@@ -177,8 +209,8 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         if HAS_PSW:
             w = tl.load(psw + pos, mask=lmask, other=0.0).to(tl.float32)
             rows = rows * w[:, None]
-            if SQ:
-                sumsq += w * w
+            if WSUM:
+                wsum += weight_terms(w, square)
         if MODE == K_MAX:
             # strict: a later equal value never replaces an earlier one (torch keeps the first);
             # NaN is passed over here, and the lane's first number is taken even if -inf
@@ -213,10 +245,10 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
     n = end - start
     if HAS_PADDING:
         n = tl.sum(count, axis=0).to(tl.int64)
-    sq = n.to(tl.float32)
-    if HAS_PSW and SQ:
-        sq = tl.sum(sumsq, axis=0)
-    return result, best, n, sq
+    ws = n.to(tl.float32)
+    if HAS_PSW and WSUM:
+        ws = tl.sum(wsum, axis=0)
+    return result, best, n, ws
 
 
 # ---- the backward's inputs: one (key, bag, scale) a value, for the segment reduction ----
@@ -238,10 +270,10 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
         end = tl.where(bad, tl.minimum(start + chunk, n), end)
         key0 = tl.where(bad, -1, key0)
     count = end - start
-    sumsq = count.to(tl.float32)
-    if NORM_PASS:  # padding left out of the count, or squared weights summed (sqrtn)
+    wsum = count.to(tl.float32)
+    if NORM_PASS:  # padding left out of the count, or weight terms summed (sqrtn, wmean)
         count = count * 0
-        sumsq = sumsq * 0.0
+        wsum = wsum * 0.0
         for i in range(0, tl.max(end - start), BLOCK):
             p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
             m = p < end[:, None]
@@ -250,10 +282,10 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
             count += tl.sum(m.to(tl.int64), axis=1)
             if HAS_PSW:
                 w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
-                sumsq += tl.sum(w * w, axis=1)
+                wsum += tl.sum(weight_terms(w, (pool == K_SQRTN)[:, None]), axis=1)
         if not HAS_PSW:
-            sumsq = count.to(tl.float32)
-    scale = bag_scale(pool, count, sumsq)
+            wsum = count.to(tl.float32)
+    scale = bag_scale(pool, count, wsum)
     if COLD:
         at = tl.load(cold_start + g, mask=real, other=0)
     for i in range(0, tl.max(end - start), BLOCK):
@@ -284,14 +316,15 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
 
 
 def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta: Tensor, B: int, *,
-                    padding_idx: int = -1, wide_keys: bool = True, scaled: bool = True, sqrtn: bool = False,
+                    padding_idx: int = -1, wide_keys: bool = True, scaled: bool = True, weight_sums: bool = False,
                     status: Optional[Tensor] = None, dtype=torch.float32, kernel: Optional[bool] = None,
                     cold: Optional[tuple[Tensor, int]] = None):
     """`backward_inputs_reference` in one launch instead of about ten torch ops over every value.
 
     keys int32 unless `wide_keys` (the reference's are int64), bags int32 while they fit.
-    `scaled`: some feature averages (else, without weights, every scale is 1 and none is returned: the reduction then reads no
-    scale a value). `sqrtn`: some feature is sqrtn (with weights, a pass sums their squares).
+    `scaled`: some feature averages (else, without weights, every scale is 1 and none is returned:
+    the reduction then reads no scale a value). `weight_sums`: some feature's norm sums its
+    weights (sqrtn, wmean: with weights, a pass sums their terms).
     `status`: the batch's deferred check; a bad batch gives every value key -1. `kernel`: force
     the kernel (True, interpreted in CPU tests) or the torch ops; None: by device and `dtype`
     (the scales' dtype: float64 tables take the torch ops). `cold`: (cold_start, count) of the
@@ -316,7 +349,7 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
             values, offsets, psw if psw is not None else keys, status if status is not None else offsets, meta,
             cold[0] if cold is not None else offsets, keys, bag, scale if has_scale else keys, n, FB, max(B, 1),
             meta.stride(0), padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale, HAS_PADDING=padding_idx >= 0,
-            NORM_PASS=(padding_idx >= 0 and scaled) or (psw is not None and sqrtn), COLD=cold is not None,
+            NORM_PASS=(padding_idx >= 0 and scaled) or (psw is not None and weight_sums), COLD=cold is not None,
             STATUS=status is not None, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
     return keys, bag, scale
 

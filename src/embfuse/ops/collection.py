@@ -3,7 +3,7 @@
     out[b, col_f : col_f + D_f] = pool over p in bag g = f * B + b of  w[p] * table_f[values[p], :]
 
 Bags are key-major (TorchRec's layout: feature 0's B bags, then feature 1's); feature f reads
-table t(f) (features may share a table) of width D_f = D_t(f), pools by sum, mean or sqrtn (the
+table t(f) (features may share a table) of width D_f = D_t(f), pools by sum, mean, sqrtn or wmean (the
 rules of ops/bags.py), and writes its columns of the (B, sum of D_f) output. All tables live in
 one flat weight buffer laid out by a `Layout` (ops/segments.py), so the backward (and a fused
 optimizer) is one sort and a few launches for the whole collection, whatever the number of tables.
@@ -18,8 +18,9 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
-                              OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, SQRTN, accumulation, backward_inputs,
-                              backward_inputs_reference, bag_norms_reference, guard_bags, pool_bag, pool_norm)
+                              K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS, accumulation,
+                              backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
+                              divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
@@ -52,9 +53,10 @@ class Plan:
         self.tables = [(rows, dim, elem[t], row[t]) for t, (rows, dim) in enumerate(tables)]
         self.feature_table = [t for t, _, _ in features]
         # whether any feature divides its sum (else the backward of unweighted bags scales
-        # nothing), and whether any is sqrtn (whose weighted bags need their weights' squares)
+        # nothing), and whether any norm sums its weights (sqrtn, wmean: weighted bags then sum
+        # a term of each weight)
         self.scaled = any(m[POOL] in SCALED for m in self.rows)
-        self.sqrtn = any(m[POOL] == SQRTN for m in self.rows)
+        self.weight_sums = any(m[POOL] in WEIGHT_SUMS for m in self.rows)
 
 
 def source_meta(meta: Tensor) -> Tensor:
@@ -113,7 +115,7 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
-    HAS_PSW: tl.constexpr, SQ: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
     EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_LW: tl.constexpr,
     HAS_LB: tl.constexpr,
 ):
@@ -136,12 +138,12 @@ def _collection_fwd_kernel(
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
-        result, _, count, sumsq = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, 0, HAS_PSW, False, SQ,
-                                           BLOCK_L, BLOCK_D, EVICT)
+        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, pool == K_SQRTN, 0,
+                                          HAS_PSW, False, WSUM, BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:
-            result = result / pool_norm(pool, count, sumsq)
+            result = divide(result, pool_norm(pool, count, wsum))
         if EPILOGUE:  # ops/chain.py's LayerNorm + activation on the pooled row, before the write
             # (every feature D wide, all of D in this program; the affine's row is the feature's)
             x = tl.where(cmask, result.to(out.dtype.element_ty).to(tl.float32), 0.0)
@@ -158,10 +160,10 @@ def _collection_fwd_kernel(
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None,
-                       sqrtn=True, epilogue=None):
+                       weight_sums=True, epilogue=None):
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
-    `config`: launch-shape overrides for sweeps (tuning.bag_shape); `sqrtn`: Plan's (some feature
-    is sqrtn: weighted bags then sum their squared weights). `epilogue`: (ln_weight (F, D) or
+    `config`: launch-shape overrides for sweeps (tuning.bag_shape); `weight_sums`: Plan's (some
+    feature's norm sums its weights: weighted bags then sum their terms). `epilogue`: (ln_weight (F, D) or
     None, ln_bias or None, eps, activation): every feature D wide (D <= 256), and each pooled row
     leaves through embfuse.ops.chain's LayerNorm + activation, in the same program."""
     F = meta.shape[0]
@@ -175,21 +177,21 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
         meta, out, B, out.stride(0), meta.stride(0), ln_w if ln_w is not None else weights,
-        ln_b if ln_b is not None else weights, float(eps), HAS_PSW=psw is not None, SQ=psw is not None and sqrtn,
-        STATUS=status is not None, VEC=vec, EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
+        ln_b if ln_b is not None else weights, float(eps), HAS_PSW=psw is not None,
+        WSUM=psw is not None and weight_sums, STATUS=status is not None, VEC=vec, EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
         HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)
     return out
 
 
 def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, scaled=True,
-                        sqrtn=True, status=None):
+                        weight_sums=True, status=None):
     """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta, scaled
-    and sqrtn: Plan's)."""
+    and weight_sums: Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, wide_keys=layout.wide_keys, scaled=scaled,
-                                       sqrtn=sqrtn, status=status, kernel=True)
+                                       weight_sums=weight_sums, status=status, kernel=True)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
@@ -218,7 +220,7 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     table = weights.view(-1, D)
     pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
                                                per_sample_weights=None if psw is None else psw.to(table.dtype))
-    pooled = pooled / norm[:, None].to(pooled.dtype)
+    pooled = divide_reference(pooled, norm)
     out = weights.new_empty(B, F, D)
     out[:, meta[:, OUT_COL] // D] = pooled.view(F, B, D).transpose(0, 1)
     return out.view(B, total_dim)
@@ -229,7 +231,7 @@ def pool_collection(weights, values, offsets, psw, plan, B, status=None):
     meta, total_dim, max_dim = plan.meta, plan.total_dim, plan.max_dim
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, plan.layout.vec,
-                                  status=status, sqrtn=plan.sqrtn)
+                                  status=status, weight_sums=plan.weight_sums)
     return _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, status)
 
 
@@ -245,27 +247,27 @@ def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                    status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
-                   vec: int, wide_keys: bool, scaled: bool, sqrtn: bool) -> Tensor:
+                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool) -> Tensor:
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
-                                  status=status, sqrtn=sqrtn)
+                                  status=status, weight_sums=weight_sums)
     return _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
 
 
 @_collection_op.register_fake
 def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys,
-      scaled, sqrtn):
+      scaled, weight_sums):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                             status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
-                            max_dim: int, vec: int, wide_keys: bool, scaled: bool, sqrtn: bool) -> Tensor:
+                            max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
-                                   num_elements, scaled, sqrtn, status)
+                                   num_elements, scaled, weight_sums, status)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         grad = grad * (status[0] == 0)
@@ -274,14 +276,15 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
 
 @_collection_backward_op.register_fake
 def _(grad, values, offsets, per_sample_weights, status, meta, src_meta, B, num_elements, max_dim, vec, wide_keys,
-      scaled, sqrtn):
+      scaled, weight_sums):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
-    weights, values, offsets, psw, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, scaled, sqrtn = inputs
+    (weights, values, offsets, psw, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, scaled,
+     weight_sums) = inputs
     ctx.save_for_backward(values, offsets, psw, status, meta, src_meta)
-    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, sqrtn)
+    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, weight_sums)
 
 
 def _autograd_backward(ctx, grad):
@@ -304,5 +307,5 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
     if needs_op(weights):
         L = plan.layout
         return _collection_op(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B,
-                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.sqrtn)
+                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums)
     return pool_collection(weights, values, offsets, per_sample_weights, plan, B, status)

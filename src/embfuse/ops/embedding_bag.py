@@ -4,8 +4,9 @@
                 w[p] * weight[ids[p], :]
 
 pool = sum (w = per_sample_weights or 1), mean (sum / number of pooled ids), sqrtn (sum / sqrt
-of the sum of squared weights: TensorFlow's combiner, an extension) or max (per column; w = 1);
-an empty bag gives zeros. The pooling rules are ops/bags.py's (a single table is its F = 1).
+of the sum of squared weights: TensorFlow's combiner, an extension), wmean (sum / sum of the
+weights: TensorFlow's mean, an extension) or max (per column; w = 1); an empty bag gives zeros.
+The pooling rules are ops/bags.py's (a single table is its F = 1).
 Inputs are brought to one canonical form first: 1-D ids and B+1 offsets (the last is where the
 last bag ends), whatever torch form the caller used.
 """
@@ -19,8 +20,9 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, MAX, POOLINGS, SCALED, SQRTN, SUM, accumulation, backward_inputs,
-                              bag_norms_reference, pool_bag, pool_norm, pooled_values, single_meta)
+from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCALED, SQRTN, SUM, WEIGHT_SUMS,
+                              accumulation, backward_inputs, bag_norms_reference, divide, divide_reference, pool_bag,
+                              pool_norm, pooled_values, single_meta)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -67,7 +69,8 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     out.index_add_(0, bag, torch.where(keep[:, None], rows, 0))  # (not a product: 0 * NaN is NaN)
     if mode in SCALED:
         meta = single_meta(weight.shape[0], D, mode, weight.device)
-        out /= bag_norms_reference(indices, offsets, per_sample_weights, meta, B, padding_idx, acc_dtype)[2][:, None]
+        out = divide_reference(out, bag_norms_reference(indices, offsets, per_sample_weights, meta, B, padding_idx,
+                                                        acc_dtype)[2])
     return out.to(weight.dtype), indices.new_empty(0, dtype=torch.int64)
 
 
@@ -84,10 +87,11 @@ def _embedding_bag_fwd_kernel(
     end = tl.load(offsets + bag + 1).to(tl.int64)
     if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
         end = tl.where(tl.load(status) == 0, end, start)
-    result, best, count, sumsq = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-                                          MODE, HAS_PSW, HAS_PADDING, MODE == K_SQRTN, BLOCK_L, BLOCK_D, EVICT)
+    result, best, count, wsum = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
+                                         MODE == K_SQRTN, MODE, HAS_PSW, HAS_PADDING,
+                                         (MODE == K_SQRTN) or (MODE == K_WMEAN), BLOCK_L, BLOCK_D, EVICT)
     if MODE != K_SUM and MODE != K_MAX:
-        result = result / pool_norm(MODE, count, sumsq)
+        result = divide(result, pool_norm(MODE, count, wsum))
     if MODE == K_MAX:
         tl.store(max_ids + bag * D + cols, best, mask=cmask)
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
@@ -124,7 +128,7 @@ def table_backward_inputs(indices, offsets, per_sample_weights, mode, padding_id
     """bags.backward_inputs for one (num_weights, dim) table pooled by `mode` (F = 1)."""
     return backward_inputs(indices, offsets, per_sample_weights, single_meta(num_weights, dim, mode, indices.device),
                            offsets.numel() - 1, padding_idx=padding_idx, wide_keys=num_weights >= 2**31,
-                           scaled=mode in SCALED, sqrtn=mode == SQRTN, **kwargs)
+                           scaled=mode in SCALED, weight_sums=mode in WEIGHT_SUMS, **kwargs)
 
 
 def _backward(grad, indices, offsets, per_sample_weights, max_ids, num_weights, mode, padding_idx,
@@ -237,9 +241,10 @@ def _rowwise_grad(grad, indices, offsets, per_sample_weights, num_weights, mode,
 
 def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status=None, mode=SUM, out=None):
     """The gradient of the per-sample weights: under sum, d out[b] / d w[p] = weight[ids[p]], one
-    dot product per pooled position; under sqrtn (out = S / n, n = sqrt(sum of w^2)),
-    g . e_p / n - (g . out) w_p / n^2, with `out` the forward's output, and 0 in a bag whose
-    weights are all 0 (its output is 0 whatever they are, as TensorFlow's div_no_nan)."""
+    dot product per pooled position; where the norm n sums the weights (sqrtn: n = sqrt(sum of
+    w^2), wmean: n = sum of w; out = S / n, `out` the forward's output), g . e_p / n -
+    (g . out) dn/dw_p / n with dn/dw_p = w_p / n (sqrtn) or 1 (wmean), and 0 in a bag whose norm
+    is 0 (its output is 0 whatever the weights are, as TensorFlow's div_no_nan)."""
     if status is not None:  # a bad batch: no position is pooled
         indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     B = offsets.numel() - 1
@@ -249,19 +254,21 @@ def per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, st
     keep, bag = pooled_values(indices, offsets, padding_idx)
     g = grad[bag].to(acc)
     dots = (g * weight[indices.long()].to(acc)).sum(1)
-    if mode == SQRTN:
+    if mode in WEIGHT_SUMS:
         meta = single_meta(weight.shape[0], weight.shape[1], mode, weight.device)
-        _, _, norm, sumsq = bag_norms_reference(indices, offsets, psw, meta, B, padding_idx, acc)
-        zero, norm = sumsq[bag] == 0, norm[bag]
-        dots = dots / norm - (g * out[bag].to(acc)).sum(1) * psw.to(acc) / (norm * norm)
-        dots = torch.where(zero, 0, dots)  # a bag whose weights are all 0 pools 0: TF's div_no_nan
+        _, _, norm, wsum = bag_norms_reference(indices, offsets, psw, meta, B, padding_idx, acc)
+        zero, norm = (wsum if mode == SQRTN else norm)[bag] == 0, norm[bag]
+        safe = torch.where(zero, 1, norm)
+        dn = psw.to(acc) / safe if mode == SQRTN else torch.ones_like(dots)
+        dots = dots / safe - (g * out[bag].to(acc)).sum(1) * dn / safe
+        dots = torch.where(zero, 0, dots)  # a bag whose norm is 0 pools 0: TF's div_no_nan
     return torch.where(keep, dots, 0).to(psw.dtype)
 
 
 def _setup_context(ctx, inputs, output):
     weight, indices, offsets, psw, status, mode, padding_idx, scale_grad_by_freq, sparse = inputs
-    sqrtn_psw = psw is not None and mode == SQRTN  # its weights' gradient reads the output
-    ctx.save_for_backward(weight, indices, offsets, psw, status, output[1], output[0] if sqrtn_psw else None)
+    reads_out = psw is not None and mode in WEIGHT_SUMS  # its weights' gradient reads the output
+    ctx.save_for_backward(weight, indices, offsets, psw, status, output[1], output[0] if reads_out else None)
     ctx.args = (weight.shape[0], mode, padding_idx, scale_grad_by_freq, sparse)
 
 
@@ -344,14 +351,14 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
     if mode not in POOLINGS:
-        raise ValueError(f"mode has to be one of 'sum', 'mean', 'max' or 'sqrtn', got {mode!r}")
+        raise ValueError(f"mode has to be one of 'sum', 'mean', 'max', 'sqrtn' or 'wmean', got {mode!r}")
     check_device(name, input, weight)
     check_device("offsets", offsets, weight)
     check_device("per_sample_weights", per_sample_weights, weight)
     if per_sample_weights is not None:
-        if mode not in ("sum", "sqrtn"):
-            raise UnsupportedError(f"per_sample_weights is only supported for mode='sum' (and embfuse's 'sqrtn'; "
-                                   f"got mode={mode!r})")
+        if mode not in ("sum", "sqrtn", "wmean"):
+            raise UnsupportedError(f"per_sample_weights is only supported for mode='sum' (and embfuse's 'sqrtn' "
+                                   f"and 'wmean'; got mode={mode!r})")
         if not per_sample_weights.is_floating_point():
             raise BadDtypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
         if per_sample_weights.dtype != weight.dtype:
@@ -400,9 +407,10 @@ def embedding_bag(
 ) -> Tensor:
     """Drop-in for `torch.nn.functional.embedding_bag`.
 
-    mode: torch's "sum", "mean", "max", and "sqrtn" (an extension: the sum over the square root
-    of the bag's sum of squared per_sample_weights, of its count without them; TensorFlow's
-    combiner, see ops/bags.py).
+    mode: torch's "sum", "mean", "max", and two extensions, TensorFlow's combiners (ops/bags.py):
+    "sqrtn" (the sum over the square root of the bag's sum of squared per_sample_weights, of its
+    count without them) and "wmean" (the sum over the bag's sum of per_sample_weights, 0 where
+    that is 0; mean without them).
     sparse: False, True (torch's sparse COO gradient, one entry per pooled id) or "rowwise"
     (one entry per distinct row, summed deterministically: a sparse COO tensor whose
     `_indices()[0]` are the touched rows, ascending, and `_values()` their gradient rows; it

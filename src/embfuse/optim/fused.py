@@ -199,7 +199,7 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
         keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, wide_keys=plan.layout.wide_keys,
-                                           scaled=plan.scaled, sqrtn=plan.sqrtn, status=status, kernel=True)
+                                           scaled=plan.scaled, weight_sums=plan.weight_sums, status=status, kernel=True)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)

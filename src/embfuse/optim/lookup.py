@@ -156,7 +156,7 @@ def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offse
 
 def _unsupported(scale_grad_by_freq, sparse, mode="sum"):
     if scale_grad_by_freq or sparse or mode == "max":
-        raise ValueError("a fused optimizer supports sum, mean and sqrtn pooling without scale_grad_by_freq or "
+        raise ValueError("a fused optimizer supports sum, mean, sqrtn and wmean pooling without scale_grad_by_freq or "
                          "sparse")
 
 
