@@ -275,3 +275,95 @@ def test_tensorflow_poolings_pool_and_train_like_the_single_table_op(device, wei
 def test_is_weighted_is_torchrecs_method():
     assert EmbeddingBagCollection(tables(), is_weighted=True).is_weighted() is True
     assert EmbeddingBagCollection(tables()).is_weighted() is False
+
+
+def _tf_tables(dtype=torch.float64):
+    return [EmbeddingBagConfig(20, 4, "user", dtype, ["uid", "friend"], combiner="mean", default_id=3),
+            EmbeddingBagConfig(9, 3, "item", dtype, ["iid"]),
+            EmbeddingBagConfig(7, 5, "genre", dtype, ["genres"], combiner="sqrtn"),
+            EmbeddingBagConfig(6, 2, "tag", dtype, ["tags"], combiner="sum", default_id=0)]
+
+
+def _tf_batch(keys, B, device, weighted):
+    """A batch whose TensorFlow-style features hold ids < 0, weights <= 0 and empty bags (the
+    TorchRec table's feature, iid, only ids in range)."""
+    rows = {"uid": 20, "friend": 20, "iid": 9, "genres": 7, "tags": 6}
+    lengths = torch.randint(0, 5, (len(keys) * B,))
+    lengths[0] = 0
+    counts = lengths.reshape(len(keys), B).sum(1)
+    values = torch.cat([torch.randint(0 if k == "iid" else -2, rows[k], (int(n),)) for k, n in zip(keys, counts)])
+    weights = None
+    if weighted:
+        weights = torch.rand(values.numel()) + 0.5
+        plain = torch.cat([torch.full((int(n),), k == "iid") for k, n in zip(keys, counts)])
+        weights = torch.where((torch.rand(values.numel()) < 0.2) & ~plain, -weights, weights)
+    return KeyedJaggedTensor(keys, values, weights, lengths=lengths).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tensorflow_tables_are_safe_embedding_lookup_sparse(device, weighted, dtype):
+    """Tables with combiner= (TensorFlow's) beside a TorchRec one: each feature's output is
+    embfuse.tf.safe_embedding_lookup_sparse of its bags (itself checked against TensorFlow) in
+    float64; one fused SGD step moves the rows as that function's gradient says. float32 tables
+    take the kernels on a GPU (the safe pass, pooling, fused update)."""
+    ebc = EmbeddingBagCollection(_tf_tables(dtype), is_weighted=weighted, device=device, optimizer=SGD(lr=0.5))
+    keys, B = ["uid", "friend", "iid", "genres", "tags"], 6
+    kjt = _tf_batch(keys, B, device, weighted)
+    before = [w.detach().to(torch.float64, copy=True).requires_grad_() for w in ebc.table_weights()]
+    want, d = [], kjt.to_dict()
+    for t, w in zip(ebc.tables, before):
+        for f in t.feature_names:
+            jt = d[f]
+            lengths = jt.lengths().long()
+            rows = torch.repeat_interleave(torch.arange(B, device=device), lengths)
+            cols = torch.arange(rows.numel(), device=device) - torch.repeat_interleave(jt.offsets()[:-1].long(),
+                                                                                         lengths)
+            idx = torch.stack([rows, cols])
+            shape = (B, max(int(lengths.max()), 1))
+            sp_ids = torch.sparse_coo_tensor(idx, jt.values(), shape)
+            sp_w = torch.sparse_coo_tensor(idx, jt.weights().double(), shape) if weighted else None
+            if t.combiner is None:
+                want.append(embfuse.embedding_bag(jt.values(), w, jt.offsets(), mode="sum", include_last_offset=True,
+                                                  per_sample_weights=jt.weights().double() if weighted else None))
+                continue
+            want.append(embfuse.tf.safe_embedding_lookup_sparse(w, sp_ids, sp_w, combiner=t.combiner,
+                                                                default_id=t.default_id))
+    want = torch.cat(want, 1)
+    out = ebc(kjt).values()
+    assert_close(out, want, dtype, reduction=4)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want.backward(g.double())
+    for w0, w1 in zip(before, ebc.table_weights()):
+        assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, dtype, reduction=8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensorflow_tables_refuse_what_tensorflow_refuses(device):
+    """An id past its table is an error naming the feature and position, ids < 0 only where the
+    table has a combiner; bad configurations are refused at construction."""
+    ebc = EmbeddingBagCollection(_tf_tables(torch.float32), device=device)
+    keys = ["uid", "friend", "iid", "genres", "tags"]
+    kjt = _tf_batch(keys, 3, device, False)
+    before = ebc.weights.detach().clone()
+    values = kjt.values().clone()
+    values[0] = 20  # uid's first value, past the user table
+    with pytest.raises(IndexError, match=r"feature 'uid'.*values\[0\] = 20"):
+        ebc(KeyedJaggedTensor(keys, values, lengths=kjt.lengths()))
+        embfuse.check_errors()
+    values = kjt.values().clone()
+    start = sum(kjt.length_per_key()[:2])
+    values[start] = -1  # iid: a TorchRec table, where -1 is out of range
+    with pytest.raises(IndexError, match=r"feature 'iid'.*= -1"):
+        ebc(KeyedJaggedTensor(keys, values, lengths=kjt.lengths()))
+        embfuse.check_errors()
+    assert torch.equal(ebc.weights.detach(), before)
+    for bad, match in ((dict(combiner="max"), "combiner must be"), (dict(default_id=1), "give combiner"),
+                       (dict(combiner="mean", pooling="mean"), "not both"),
+                       (dict(combiner="mean", default_id=20), "out of range")):
+        with pytest.raises(ValueError, match=match):
+            EmbeddingBagCollection([EmbeddingBagConfig(20, 4, "user", feature_names=["uid"], **bad)])
+    with pytest.raises(ValueError, match="neither hot_rows"):
+        EmbeddingBagCollection(_tf_tables(torch.float32), optimizer=SGD(lr=0.1), hot_rows=2)

@@ -56,6 +56,9 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
     `memory_per_rank` feed it). Every rank must pass the same tables, options and plan; the
     tables start as rank 0's `ebc` (its weights and optimizer state)."""
     world = dist.get_world_size(group)
+    tf = [t.name for t in ebc.tables if getattr(t, "combiner", None) is not None]
+    if tf:
+        raise NotImplementedError(f"tables with TensorFlow's combiner ({tf}) cannot be sharded yet")
     if not isinstance(plan, ShardingPlan):
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:

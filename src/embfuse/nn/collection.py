@@ -24,6 +24,7 @@ from embfuse._triton import use_kernels
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
+from embfuse.ops.safe import safe_bags
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -83,7 +84,35 @@ class EmbeddingConfig:
 
 @dataclass
 class EmbeddingBagConfig(EmbeddingConfig):
+    """A pooled table. `pooling`: TorchRec's (sum, mean) or embfuse's sqrtn / wmean. `combiner`
+    (TensorFlow's "sum", "mean" or "sqrtn", instead of `pooling`): the table's features are looked
+    up as tf.nn.safe_embedding_lookup_sparse does: ids < 0 dropped (and, for mean and sqrtn in a
+    weighted collection, weights <= 0), the mean over the weights' sum (wmean), bags left without
+    ids given `default_id` with weight 1, or zeros."""
+
     pooling: object = "sum"
+    combiner: Optional[str] = None
+    default_id: Optional[int] = None
+
+
+_COMBINED = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}  # TensorFlow's combiner -> pooling
+
+
+def _tf_rules(t: EmbeddingBagConfig) -> Optional[str]:
+    """The table's pooling when it has TensorFlow's combiner (checked), else None."""
+    combiner, default = getattr(t, "combiner", None), getattr(t, "default_id", None)
+    if combiner is None:
+        if default is not None:
+            raise ValueError(f"table {t.name!r}: default_id is TensorFlow's safe lookup rule; give combiner= too")
+        return None
+    if combiner not in _COMBINED:
+        raise ValueError(f"table {t.name!r}: combiner must be 'sum', 'mean' or 'sqrtn', got {combiner!r}")
+    if _pooling(t.pooling) != "sum":
+        raise ValueError(f"table {t.name!r}: give combiner= (TensorFlow's) or pooling= (TorchRec's), not both")
+    if default is not None and (isinstance(default, bool) or not isinstance(default, int)
+                                or not 0 <= default < t.num_embeddings):
+        raise ValueError(f"table {t.name!r}: default_id {default!r} is out of range for {t.num_embeddings} rows")
+    return _COMBINED[combiner]
 
 
 class _Collection(FusedModule, torch.nn.Module):
@@ -182,6 +211,8 @@ class _Collection(FusedModule, torch.nn.Module):
         starts = torch.tensor(self._row_starts, device=dev)
         feature = bag_of_value(offsets, values.numel()) // max(B, 1)
         table = torch.tensor(plan.feature_table, dtype=torch.int64, device=dev)[feature]
+        kept = values >= 0  # (TensorFlow-style features drop ids < 0: not looked up)
+        feature, table, values = feature[kept], table[kept], values[kept]
         rows, counts, row_table, order, rank = ranked_rows(plan.meta[:, ROW_START][feature] + values.long(), starts)
         lookups = torch.bincount(table, minlength=T)
         distinct = torch.bincount(row_table, minlength=T)
@@ -232,8 +263,9 @@ class EmbeddingBagCollection(_Collection):
                  bounds_check: str = DEFAULT_BOUNDS_CHECK, hot_rows: int = 0, hot_refresh: int = 100,
                  hot_min_values: int = tuning.HOT_MIN_VALUES, pin_hot_rows_in_l2: bool = False,
                  l2_refresh: int = 1000):
-        for t in tables:
-            _pooling(t.pooling)
+        tf_pooling = [_tf_rules(t) for t in tables]
+        if any(p is not None for p in tf_pooling) and (hot_rows or pin_hot_rows_in_l2):
+            raise ValueError("tables with TensorFlow's combiner take neither hot_rows nor pin_hot_rows_in_l2")
         super().__init__(tables, device, optimizer, bounds_check)
         self._is_weighted = is_weighted
         self._hot = None
@@ -251,11 +283,14 @@ class EmbeddingBagCollection(_Collection):
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature = {}  # name -> (table index, pooling, first output column)
+        self._safe = {}  # name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
         col = 0
-        for i, t in enumerate(tables):
+        for i, (t, tf) in enumerate(zip(tables, tf_pooling)):
             for f in t.feature_names:
-                self._feature[f] = (i, _pooling(t.pooling), col)
+                self._feature[f] = (i, tf or _pooling(t.pooling), col)
                 col += t.embedding_dim
+                if tf is not None:
+                    self._safe[f] = (True, is_weighted and t.combiner != "sum", t.default_id)
         self._dims = [self.tables[self._feature[f][0]].embedding_dim for f in self.feature_names]
 
     def is_weighted(self) -> bool:
@@ -265,7 +300,8 @@ class EmbeddingBagCollection(_Collection):
     def _plan(self, keys: list[str], device) -> Plan:
         key = (tuple(keys), device)
         if key not in self._plans:
-            self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device)
+            self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device,
+                                    [self._safe.get(k) for k in keys])
         return self._plans[key]
 
     def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True):
@@ -283,6 +319,10 @@ class EmbeddingBagCollection(_Collection):
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
             [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh, remap=resident)
+        if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
+            dtype = torch.float64 if self.weights.dtype == torch.float64 else torch.float32
+            values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
+                                             None if check is None else check.status, dtype)
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

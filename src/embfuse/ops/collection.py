@@ -22,6 +22,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation
+from embfuse.ops.safe import safe_rules
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
 
@@ -31,9 +32,12 @@ class Plan:
 
     tables: (rows, dim) of each table; features: (table index, pooling, first output column)
     of each feature, in the order of the batch's keys. meta[f]: feature f's meta row (the
-    columns ops/bags.py names)."""
+    columns ops/bags.py names). `safe`: per feature, TensorFlow's safe rules (ops/safe.py: drops
+    ids < 0, drops weights <= 0, default id or None) or None; `rules` then holds them (else None)
+    and the check lets those features' ids < 0 through (negated limits)."""
 
-    def __init__(self, tables: list[tuple[int, int]], features: list[tuple[int, str, int]], device):
+    def __init__(self, tables: list[tuple[int, int]], features: list[tuple[int, str, int]], device,
+                 safe: Optional[list] = None):
         rows, dims = [r for r, _ in tables], [d for _, d in tables]
         self.layout = Layout.build(rows, dims)
         row, elem = table_starts(rows, dims)
@@ -44,7 +48,12 @@ class Plan:
             m[ROW_START], m[ROWS], m[KEY_START] = row[t], tables[t][0], t << self.layout.shift
             self.rows.append(m)
         self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, META_COLUMNS)
+        self.rules = None
         self.limits = self.meta[:, ROWS].contiguous()  # rows of each feature's table: the check's bounds
+        if safe is not None and any(r is not None for r in safe):
+            self.rules = safe_rules([r or (False, False, None) for r in safe], device)
+            drops = torch.tensor([r is not None and r[0] for r in safe], device=device)
+            self.limits = torch.where(drops, -self.limits, self.limits)
         self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim

@@ -98,7 +98,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
                        REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
-    value inside its feature's table (limits[f] rows). One flat pass: program i reads CHUNKS
+    value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
     features at the blocks' first values come from one binary search of the feature starts, all
     blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
@@ -124,7 +124,8 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
             f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
         # a block inside one feature (almost all) loads one address for every lane: a broadcast
         limit = tl.load(limits + f, mask=in_values, other=0)
-        bad = in_values & ((v < 0) | (v >= limit))
+        # (a negative limit: a feature whose ids < 0 are dropped later, ops/validate.py in_range)
+        bad = in_values & (((v < 0) & (limit > 0)) | (v >= tl.abs(limit)))
         bad_any = tl.maximum(bad_any, bad.to(tl.int32))
         if REMAP:
             first_row = tl.load(info + f * 3, mask=in_values, other=0)

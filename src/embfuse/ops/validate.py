@@ -138,15 +138,24 @@ def _bad_id_message(indices: torch.Tensor, shape, num_embeddings: int, name: str
     return out_of_range(f"{name}{_position(p, shape)}", int(indices[p]), num_embeddings), bad.numel()
 
 
+def in_range(values, limits, B, offsets) -> torch.Tensor:
+    """Which values of a keyed batch lie inside their feature's table: 0 <= id < limits[f], or,
+    where limits[f] = -rows (a feature whose ids < 0 are dropped before the lookup: TensorFlow's
+    safe lookups, ops/safe.py), id < rows."""
+    limit = limits[bag_of_value(offsets, values.numel()).clamp(min=0) // B]
+    return ((values >= 0) | (limit < 0)) & (values < limit.abs())
+
+
 def _bad_value_message(values, offsets, limits, B, keys, tables) -> tuple[str, int]:
     """The first out-of-range value of a keyed batch, by feature, table, position and sample;
     and how many there are."""
     bag = bag_of_value(offsets, values.numel())
-    bad = ((values < 0) | (values >= limits[bag // B])).nonzero()
+    bad = (~in_range(values, limits, B, offsets)).nonzero()
     p = int(bad[0])
     g = int(bag[p])
     f = g // B
-    return out_of_range(f"values[{p}]", int(values[p]), int(limits[f]), tables[f], keys[f], g % B), bad.numel()
+    return (out_of_range(f"values[{p}]", int(values[p]), abs(int(limits[f])), tables[f], keys[f], g % B),
+            bad.numel())
 
 
 def _offsets_bad(offsets, n) -> bool:
@@ -189,8 +198,7 @@ def _collection_flags_reference(values, offsets, limits, B) -> int:
     lengths = offsets[1:] - offsets[:-1]
     if bool((lengths < 0).any()) or int(offsets[0]) != 0 or int(offsets[-1]) != n:
         return BAD_OFFSETS
-    bad = (values < 0) | (values >= limits[bag_of_value(offsets, n) // B])
-    return BAD_ID if bool(bad.any()) else 0
+    return BAD_ID if not bool(in_range(values, limits, B, offsets).all()) else 0
 
 
 # ---- the one core: modes, the deferred check, skip compaction ----
@@ -293,10 +301,10 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
                         bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None,
                         remap=None):
     """Check a keyed batch (F * B bags) against its features' tables (limits[f]: rows of feature
-    f's table) in one pass: lengths that are non-negative and add up to the values, every id
-    inside its feature's table. Returns (values, offsets, per_sample_weights, check) as
-    validate_bags does (`remap` too). Errors name the feature, its table, the position and the
-    sample."""
+    f's table, negated where ids < 0 are allowed: see in_range) in one pass: lengths that are
+    non-negative and add up to the values, every id inside its feature's table. Returns (values,
+    offsets, per_sample_weights, check) as validate_bags does (`remap` too). Errors name the
+    feature, its table, the position and the sample."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -362,7 +370,7 @@ def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fr
         lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out),
         lambda: _collection_flags_reference(values, offsets, limits, B),
         functools.partial(_raise_collection, values, offsets, limits, B, keys, tables, bounds_check == "skip"),
-        lambda: (values >= 0) & (values < limits[bag_of_value(offsets, values.numel()) // B]),
+        lambda: in_range(values, limits, B, offsets),
         lambda: _bad_value_message(values, offsets, limits, B, keys, tables))
 
 

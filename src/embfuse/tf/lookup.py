@@ -23,13 +23,16 @@ ops, which is also the reference the tests check the fast path against.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from embfuse._triton import tracing
 from embfuse.ops.embedding_bag import embedding_bag
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError
+from embfuse.ops.safe import Rules, safe_bags, safe_rules
 
 COMBINERS = ("sum", "mean", "sqrtn")
 Params = Union[Tensor, Sequence[Tensor]]
@@ -184,23 +187,27 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     rows = indices[0].contiguous()
     num_rows = int(rows.max()) + 1 if rows.numel() else 0
     if len(shards) == 1 and max_norm is None:  # every entry kept, ids checked above
-        return pool_one_table(shards[0], rows, ids, weights, torch.ones_like(ids, dtype=torch.bool), num_rows,
-                              combiner, None, ordered=sp_ids.is_coalesced(), checked=True)
+        return pool_one_table(shards[0], rows, ids, weights, num_rows, combiner, None, ordered=sp_ids.is_coalesced(),
+                              checked=True)
     return combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
 
 
+def entry_rows(indices: Tensor, shape) -> Tensor:
+    """Each entry's row in the flattened [prod(shape[:-1]), shape[-1]] form (row-major). No host read."""
+    rows = indices[0]
+    for d in range(1, len(shape) - 1):
+        rows = rows * shape[d] + indices[d]
+    return rows.contiguous()
+
+
 def safe_entries(indices: Tensor, ids: Tensor, shape, weights: Optional[Tensor], combiner: str):
-    """Each entry's row in the flattened [prod(shape[:-1]), shape[-1]] form (row-major), its id
-    as int64, and whether safe_embedding_lookup_sparse keeps it (id >= 0; weight > 0 unless the
-    combiner is sum). No host read."""
-    rows = torch.zeros(indices.shape[1], dtype=torch.int64, device=indices.device)
-    for d, size in enumerate(shape[:-1]):
-        rows = rows * size + indices[d]
+    """(entry_rows, ids as int64, whether safe_embedding_lookup_sparse keeps each entry: id >= 0;
+    weight > 0 unless the combiner is sum). No host read."""
     ids = ids.long()
     keep = ids >= 0
     if weights is not None and combiner != "sum":
         keep &= weights > 0
-    return rows, ids, keep
+    return entry_rows(indices, shape), ids, keep
 
 
 def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
@@ -220,11 +227,12 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     batch = 1
     for s in shape[:-1]:
         batch *= s
-    rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
     if len(shards) == 1 and max_norm is None:
-        out = pool_one_table(shards[0], rows, ids, weights, keep, batch, combiner, default_id,
+        out = pool_one_table(shards[0], entry_rows(indices, shape), ids, weights, batch, combiner,
+                             rules(combiner, weights is not None, default_id, ids.device),
                              ordered=sparse_ids.is_coalesced())
         return out.reshape(*shape[:-1], shards[0].shape[1])
+    rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
     rows, ids = rows[keep], ids[keep]
     weights = None if weights is None else weights[keep]
     _check_ids(ids, total, "safe_embedding_lookup_sparse")
@@ -241,40 +249,44 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     return out.reshape(*shape[:-1], shards[0].shape[1])
 
 
-def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], keep: Tensor,
-                   num_rows: int, combiner: str, default_id: Optional[int], ordered: bool = False,
-                   checked: bool = False) -> Tensor:
-    """safe_embedding_lookup_sparse on one table without max_norm, with no host read and a fixed
-    number of launches: entries dropped by the safe rules stay, with weight 0 and id 0 (nothing is
-    compacted, so no size depends on the data); the entries are put in row order (a stable sort:
-    TensorFlow's own row-major order is left as it is, so positions in error messages are the
-    caller's); one weighted-sum `embedding_bag` pools them (its deferred check catches ids past
-    the table); rows left empty get `default_id`'s row, weight 1, from a second one-id-a-row bag
-    weighted by emptiness; mean and sqrtn divide by the kept weights' sum (of squares) plus that 1.
-    `ordered`: the entries are already in row order (a coalesced sparse tensor: sorted, unique
-    indices, as TensorFlow's canonical SparseTensor), so the sort is skipped. `checked`: the
-    caller has checked the ids already (the pooling checks them otherwise)."""
-    dev = ids.device
-    acc = torch.float64 if table.dtype == torch.float64 else torch.float32
-    w = torch.ones(ids.numel(), dtype=acc, device=dev) if weights is None else weights.to(acc)
-    w = torch.where(keep, w, 0)
+POOLING = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}  # TensorFlow's combiner -> embfuse's pooling
+
+
+def _rules(drop_weights: bool, default_id: Optional[int], device) -> Rules:
+    return safe_rules([(True, drop_weights, default_id)], device)
+
+
+_rules_cached = functools.lru_cache(maxsize=64)(_rules)
+
+
+def rules(combiner: str, weighted: bool, default_id: Optional[int], device) -> Rules:
+    """safe_embedding_lookup_sparse's rules (ops/safe.py) for one table (cached in eager code)."""
+    args = (weighted and combiner != "sum", default_id, torch.device(device))
+    return _rules(*args) if tracing() else _rules_cached(*args)
+
+
+def safe_bags_of(rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int, safe: Optional[Rules],
+                 ordered: bool, dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(ids, offsets, weights in `dtype`) of the num_rows bags that entries (row `rows`, id, weight)
+    make, after `safe`'s rules (ops/safe.py) when given. `ordered`: the entries are in row order
+    already (a coalesced sparse tensor: sorted, unique indices, TensorFlow's canonical order);
+    otherwise a stable sort puts them so (the caller's order within a row is kept)."""
     if not ordered:
-        order = torch.argsort(rows, stable=True)
-        rows, w, keep, ids = rows[order], w[order], keep[order], ids[order]
-    safe_ids = torch.where(keep, ids, 0)
-    offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=dev))
-    out = embedding_bag(safe_ids, table, offsets, mode="sum", per_sample_weights=w.to(table.dtype),
-                        include_last_offset=True, bounds_check="off" if checked else "deferred").to(acc)
-    kept = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, keep.to(acc))  # (sum keeps weights 0)
-    empty = (kept == 0).to(acc)
-    if default_id is not None:
-        fill = torch.full((num_rows, 1), default_id, dtype=torch.int64, device=dev)
-        out = out + embedding_bag(fill, table, mode="sum", per_sample_weights=empty[:, None].to(table.dtype)).to(acc)
-    if combiner == "sum":
-        return out.to(table.dtype)
-    div = torch.zeros(num_rows, dtype=acc, device=dev).index_add_(0, rows, w if combiner == "mean" else w * w)
-    if default_id is not None:
-        div = div + empty
-    if combiner == "sqrtn":
-        div = div.sqrt()
-    return torch.where(div[:, None] != 0, out / torch.where(div != 0, div, 1)[:, None], 0).to(table.dtype)
+        rows, order = torch.sort(rows, stable=True)
+        ids = ids[order]
+        weights = None if weights is None else weights[order]
+    offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=rows.device))
+    if safe is None:
+        return ids, offsets, None if weights is None else weights.to(dtype)
+    return safe_bags(ids, offsets, weights, safe, num_rows, dtype=dtype)
+
+
+def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int,
+                   combiner: str, safe: Optional[Rules], ordered: bool = False, checked: bool = False) -> Tensor:
+    """One table without max_norm: the entries' bags (safe_bags_of) pooled by one embedding_bag
+    in the combiner's pooling (mean: wmean, the weights' sum), with no host read and a fixed
+    number of launches. `checked`: the caller has checked the ids already (the pooling's deferred
+    check catches ids past the table otherwise)."""
+    ids, offsets, w = safe_bags_of(rows, ids, weights, num_rows, safe, ordered, table.dtype)
+    return embedding_bag(ids, table, offsets, mode=POOLING[combiner], per_sample_weights=w, include_last_offset=True,
+                         bounds_check="off" if checked else "deferred")

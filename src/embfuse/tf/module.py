@@ -4,13 +4,12 @@
 sparse_weights, combiner, default_id)` (lookup.py's rules) and, with `optimizer=` (an
 embfuse.optim rule), its backward updates the touched rows in place, as embfuse.nn.EmbeddingBag's.
 
-How, without a host read (when the weights were built on the ids' index tensor, so that their
-indices need no comparison): every rule is a weighted sum over a divisor. An id TensorFlow would
-drop (id < 0; weight <= 0 for mean and sqrtn) stays in place with weight 0 and id 0; with a
-default id, each row gets one more entry, the default id, weighted 1 when the row kept nothing and
-0 otherwise. The entries then pool in one weighted-sum embedding_bag (fused backward + update),
-and mean / sqrtn divide by the row's sum of weights / root sum of squared weights (0 where it is
-0): for kept entries and the default that is exactly TensorFlow's count, weight sum or root.
+How, without a host read: the entries' bags after TensorFlow's safe rules come from one pass
+(ops/safe.py: dropped ids stay in place as id 0 with weight 0, a default id is one more entry a
+row weighted 1 only where the row kept nothing), and one weighted embedding_bag pools them in the
+combiner's pooling (mean: wmean, over the weights' sum; sqrtn: over their root sum of squares)
+with the fused backward and update of embfuse.nn.EmbeddingBag. For many features at once, an
+EmbeddingBagCollection of tables with `combiner=` does the same in one launch each way.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 from torch import Tensor
 
 from embfuse.nn.modules import EmbeddingBag
-from embfuse.tf.lookup import COMBINERS, _sparse_parts, _weights_of, safe_entries
+from embfuse.tf.lookup import COMBINERS, POOLING, _sparse_parts, _weights_of, entry_rows, rules, safe_bags_of
 
 
 class SafeEmbeddingBag(torch.nn.Module):
@@ -41,8 +40,8 @@ class SafeEmbeddingBag(torch.nn.Module):
         if default_id is not None and not 0 <= default_id < num_embeddings:
             raise ValueError(f"default_id {default_id} is out of range for a table of {num_embeddings} rows")
         self.combiner, self.default_id = combiner, default_id
-        self.bag = EmbeddingBag(num_embeddings, embedding_dim, mode="sum", optimizer=optimizer, device=device,
-                                dtype=dtype, include_last_offset=True)
+        self.bag = EmbeddingBag(num_embeddings, embedding_dim, mode=POOLING[combiner], optimizer=optimizer,
+                                device=device, dtype=dtype, include_last_offset=True)
 
     @property
     def weight(self) -> Tensor:
@@ -51,36 +50,8 @@ class SafeEmbeddingBag(torch.nn.Module):
     def forward(self, sparse_ids: Tensor, sparse_weights: Optional[Tensor] = None) -> Tensor:
         indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
         given = _weights_of(sparse_weights, indices)
-        dev, N = ids.device, math.prod(shape[:-1])
-        rows, ids, keep = safe_entries(indices, ids, shape, given, self.combiner)
-        acc = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
-        w = keep.to(acc) if given is None else torch.where(keep, given.to(acc), 0)
-        ids = torch.where(keep, ids, 0)
-        # TensorFlow's contract is row-major order; a stable sort keeps it and makes it so (a
-        # coalesced sparse tensor is in that order already: sorted, unique indices)
-        if not sparse_ids.is_coalesced():
-            rows, order = torch.sort(rows, stable=True)
-            ids, w, keep = ids[order], w[order], keep[order]
-        count = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-        count[1:].index_add_(0, rows, torch.ones_like(rows))
-        offsets = count.cumsum(0)
-        if self.default_id is not None:  # one more entry a row, after its own: the default id
-            kept = torch.zeros(N, dtype=torch.int64, device=dev).index_add_(0, rows, keep.long())
-            n = ids.numel()
-            real_at = torch.arange(n, device=dev) + rows  # each earlier row gained one slot
-            default_at = offsets[1:] + torch.arange(N, device=dev)
-            ext_ids = torch.empty(n + N, dtype=torch.int64, device=dev)
-            ext_w = torch.empty(n + N, dtype=acc, device=dev)
-            ext_ids[real_at], ext_w[real_at] = ids, w
-            ext_ids.index_fill_(0, default_at, self.default_id)  # (a python int through [] = is a host copy)
-            ext_w[default_at] = (kept == 0).to(acc)
-            ext_rows = torch.empty(n + N, dtype=torch.int64, device=dev)
-            ext_rows[real_at], ext_rows[default_at] = rows, torch.arange(N, device=dev)
-            ids, w, rows, offsets = ext_ids, ext_w, ext_rows, offsets + torch.arange(N + 1, device=dev)
-        pooled = self.bag(ids, offsets, per_sample_weights=w.to(self.weight.dtype))
-        if self.combiner != "sum":
-            div = torch.zeros(N, dtype=acc, device=dev).index_add_(0, rows, w if self.combiner == "mean" else w * w)
-            if self.combiner == "sqrtn":
-                div = div.sqrt()
-            pooled = torch.where(div[:, None] != 0, pooled.to(acc) / torch.where(div != 0, div, 1)[:, None], 0)
-        return pooled.to(self.weight.dtype).reshape(*shape[:-1], self.weight.shape[1])
+        N = math.prod(shape[:-1])
+        ids, offsets, w = safe_bags_of(entry_rows(indices, shape), ids, given, N,
+                                       rules(self.combiner, given is not None, self.default_id, ids.device),
+                                       sparse_ids.is_coalesced(), self.weight.dtype)
+        return self.bag(ids, offsets, per_sample_weights=w).reshape(*shape[:-1], self.weight.shape[1])

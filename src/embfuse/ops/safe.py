@@ -1,0 +1,175 @@
+"""TensorFlow's safe lookup rules over a keyed batch, in one pass before the pooling.
+
+`tf.nn.safe_embedding_lookup_sparse` drops ids < 0 (and, for the mean and sqrtn combiners,
+entries whose weight is <= 0) and gives every row left without ids its `default_id` with
+weight 1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of
+the batch); here nothing is dropped: an entry TensorFlow drops stays where it is, with id 0 and
+weight 0, so that it adds nothing to a weighted sum nor to the weights' sum (wmean) or sum of
+squares (sqrtn) the bag module divides by (ops/bags.py). A feature with a default id gets one more
+entry a bag, after the bag's own: the default id, weighted 1 when the bag kept nothing and 0
+otherwise. The batch that comes out has n + B * (features with a default) values, a size known
+on the host, and always carries weights (1 for kept entries of unweighted features).
+
+A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
+HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
+each come before its first bag). Features
+without flags pass through unchanged (weights 1 when the batch has none).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
+from embfuse.ops.bags import bag_of_value, guard_bags
+from embfuse.ops import tuning
+
+DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
+K_DROP_NEGATIVE, K_DROP_WEIGHTS, K_HAS_DEFAULT = constexprs(DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT)
+FLAGS, DEFAULT_ID, DEFAULTS_BEFORE = range(3)
+
+
+class Rules(NamedTuple):
+    """Every feature's rule: `table` (F, 3) on the device; `defaults`, how many features have a
+    default id (on the host: a batch of B samples gains B * defaults entries)."""
+
+    table: Tensor
+    defaults: int
+
+
+def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rules:
+    """The rules of features given as (drops ids < 0, drops weights <= 0, default id or None)."""
+    rows, before = [], 0
+    for drop_negative, drop_weights, default in features:
+        flags = DROP_NEGATIVE * drop_negative + DROP_WEIGHTS * drop_weights + HAS_DEFAULT * (default is not None)
+        rows.append([flags, 0 if default is None else default, before])
+        before += default is not None
+    return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 3), before)
+
+
+def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, B: int,
+                        extra: int, dtype=torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """Pure torch (CPU path and test oracle): (values, offsets, weights) after the rules (`rules`:
+    Rules.table), `extra` = B * Rules.defaults default entries placed after their bags' own."""
+    dev, n, FB = values.device, values.numel(), offsets.numel() - 1
+    B = max(B, 1)
+    bag = bag_of_value(offsets, n).clamp(0, max(FB - 1, 0))
+    rule = rules[bag // B]
+    v = values.long()
+    w = torch.ones(n, dtype=dtype, device=dev) if psw is None else psw.to(dtype)
+    keep = ~(((rule[:, FLAGS] & DROP_NEGATIVE) != 0) & (v < 0))
+    keep &= ~(((rule[:, FLAGS] & DROP_WEIGHTS) != 0) & (w <= 0))
+    g = torch.arange(FB, device=dev)
+    has_default = (rules[g // B, FLAGS] & HAS_DEFAULT) != 0
+    shift = rules[g // B, DEFAULTS_BEFORE] * B + torch.where(has_default, g % B, 0)  # defaults before bag g
+    new_offsets = offsets.long() + torch.cat([shift, shift[-1:] + has_default[-1:].long()]) if FB else offsets.long()
+    # one slot past the end takes the writes of bags without a default (no host read to skip them)
+    out_v = torch.zeros(n + extra + 1, dtype=values.dtype, device=dev)
+    out_w = torch.zeros(n + extra + 1, dtype=dtype, device=dev)
+    at = torch.arange(n, device=dev) + shift[bag] if FB else torch.arange(n, device=dev)
+    out_v[at] = torch.where(keep, values, 0)
+    out_w[at] = torch.where(keep, w, 0)
+    kept = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.long())
+    last = torch.where(has_default, new_offsets[1:] - 1, n + extra)
+    out_v[last] = rules[g // B, DEFAULT_ID].to(values.dtype)
+    out_w[last] = (kept == 0).to(dtype)
+    return out_v[:-1], new_offsets.to(offsets.dtype), out_w[:-1]
+
+
+@triton.jit
+def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w, n, FB, B, extra,
+                      HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+    """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as id 0 weight
+    0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
+    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    real = g < FB
+    f = g // B
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    flags = tl.load(rules + f * 3, mask=real, other=0)
+    default = tl.load(rules + f * 3 + 1, mask=real, other=0)
+    has_default = (flags & K_HAS_DEFAULT) != 0
+    shift = tl.load(rules + f * 3 + 2, mask=real, other=0) * B + tl.where(has_default, g - f * B, 0)
+    if STATUS:
+        good = tl.load(status + g * 0) == 0  # (one address for every lane)
+        real = real & good
+        start = tl.where(good, start, 0)
+        end = tl.where(good, end, 0)
+        shift = tl.where(good, shift, 0)
+    drop_neg = ((flags & K_DROP_NEGATIVE) != 0)[:, None]
+    drop_w = ((flags & K_DROP_WEIGHTS) != 0)[:, None]
+    kept = tl.zeros([BAGS], dtype=tl.int32)
+    for i in range(0, tl.max(end - start), BLOCK):
+        p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
+        m = p < end[:, None]
+        v = tl.load(values + p, mask=m, other=0)
+        w = tl.full([BAGS, BLOCK], 1.0, tl.float32)
+        if HAS_PSW:
+            w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
+        keep = m & ~(drop_neg & (v < 0)) & ~(drop_w & (w <= 0))
+        kept += tl.sum(keep.to(tl.int32), axis=1)
+        at = p + shift[:, None]
+        tl.store(out_v + at, tl.where(keep, v, 0).to(out_v.dtype.element_ty), mask=m)
+        tl.store(out_w + at, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
+    last = end + shift  # the default entry's place: right after the bag's own
+    tl.store(out_v + last, default.to(out_v.dtype.element_ty), mask=real & has_default)
+    tl.store(out_w + last, (kept == 0).to(out_w.dtype.element_ty), mask=real & has_default)
+    tl.store(out_off + g, start + shift, mask=g < FB)
+    tl.store(out_off + FB + g * 0, n + extra + g * 0, mask=g == FB - 1)
+
+
+def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rules, B: int,
+              status: Optional[Tensor] = None, dtype=torch.float32,
+              kernel: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The batch (canonical F * B + 1 offsets, checked or trusted) after the rules: (values,
+    offsets, weights in `dtype`). `status`: the batch's deferred check; a bad batch comes out as
+    empty bags. One launch on the GPU, torch ops elsewhere (`kernel` forces either: True runs
+    the kernel interpreted in CPU tests)."""
+    extra = B * rules.defaults
+    if kernel is None:
+        kernel = use_kernels(values) and dtype != torch.float64
+    if not kernel:
+        return _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
+    if tracing():  # one opaque op in a traced graph
+        return _safe_bags_op(values, offsets, psw, status, rules.table, B, extra, dtype)
+    return safe_bags_kernel(values, offsets, psw, status, rules.table, B, extra, dtype)
+
+
+def _safe_bags_torch(values, offsets, psw, status, rules, B, extra, dtype):
+    if status is not None:  # a bad batch: guarded to ids 0 in one bag (the callers pool nothing of it)
+        values, offsets = guard_bags(values, offsets, status)
+    return safe_bags_reference(values, offsets, psw, rules, B, extra, dtype)
+
+
+def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
+    """The Triton launcher (`rules`: Rules.table, `extra`: the default entries added)."""
+    n, FB = values.numel(), offsets.numel() - 1
+    out_v = torch.empty(n + extra, dtype=values.dtype, device=values.device)
+    out_off = torch.empty_like(offsets)
+    out_w = torch.empty(n + extra, dtype=dtype, device=values.device)
+    if FB == 0:
+        out_off.fill_(n + extra)  # (no bags: the one offset)
+        return out_v, out_off, out_w
+    launch(_safe_bags_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
+        values, offsets, psw if psw is not None else out_w, status if status is not None else offsets, rules, out_v,
+        out_off, out_w, n, FB, max(B, 1), extra, HAS_PSW=psw is not None, STATUS=status is not None,
+        BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+    return out_v, out_off, out_w
+
+
+@kernel_op("embfuse::safe_bags", mutates_args=())
+def _safe_bags_op(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor], rules: Tensor,
+                  B: int, extra: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    if use_kernels(values) and dtype != torch.float64:
+        return safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype)
+    return _safe_bags_torch(values, offsets, psw, status, rules, B, extra, dtype)
+
+
+@_safe_bags_op.register_fake
+def _(values, offsets, psw, status, rules, B, extra, dtype):
+    n = values.numel()
+    return (values.new_empty(n + extra), torch.empty_like(offsets),
+            torch.empty(n + extra, dtype=dtype, device=values.device))
