@@ -29,7 +29,7 @@ def keyed_batch(ids: Mapping[str, Tensor], weights: Optional[Mapping[str, Tensor
         raise ValueError("keyed_batch needs at least one feature")
     if weights is not None and set(weights) != set(keys):
         raise BadArgumentError(f"weights must have the features of ids: {sorted(weights)} against {sorted(keys)}")
-    values, ws, lengths, counts, B = [], [], [], [], None
+    values, ws, rows, counts, B = [], [], [], [], None
     for k in keys:
         indices, v, shape = _sparse_parts(ids[k], f"ids[{k!r}]")
         if len(shape) != 2:
@@ -39,14 +39,17 @@ def keyed_batch(ids: Mapping[str, Tensor], weights: Optional[Mapping[str, Tensor
         elif shape[0] != B:
             raise BadArgumentError(f"ids[{k!r}] has {shape[0]} rows; the features before it have {B}")
         w = None if weights is None else _weights_of(weights[k], indices)
-        rows = indices[0]
+        r = indices[0]
         if not ids[k].is_coalesced():
-            rows, order = torch.sort(rows, stable=True)
+            r, order = torch.sort(r, stable=True)
             v = v[order]
             w = None if w is None else w[order]
         values.append(v)
         ws.append(w)
-        lengths.append(torch.bincount(rows, minlength=B))
+        rows.append(r + len(rows) * B)  # the entry's bag: feature f's come after f * B
         counts.append(v.numel())
-    return KeyedJaggedTensor(keys, torch.cat(values), None if weights is None else torch.cat(ws),
-                             lengths=torch.cat(lengths), stride=B, length_per_key=counts)
+    # the bags ascend, so the offsets are one search (torch.bincount would read its input's max
+    # back to the host, and a tensor of the counts made here would be a blocking copy)
+    offsets = torch.searchsorted(torch.cat(rows), torch.arange(len(keys) * B + 1, device=values[0].device))
+    return KeyedJaggedTensor(keys, torch.cat(values), None if weights is None else torch.cat(ws), offsets=offsets,
+                             stride=B, length_per_key=counts)
