@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import embfuse
 from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse import KeyedJaggedTensor
-from embfuse.optim import SGD, RowWiseAdagrad
+from embfuse.optim import SGD, Adam, RowWiseAdagrad
 from tests.conftest import DEVICES
 from tests.tolerances import assert_close
 
@@ -172,7 +172,7 @@ def test_opcheck_and_compile():
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
                           (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None,
                            torch.zeros(2, dtype=torch.int32), P.meta, P.src_meta, 4, P.total_dim, P.max_dim, L.vec,
-                           L.wide_keys, P.scaled, P.weight_sums))
+                           L.wide_keys, P.scaled, P.weight_sums, P.skips))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
@@ -303,12 +303,14 @@ def _tf_batch(keys, B, device, weighted):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_tensorflow_tables_are_safe_embedding_lookup_sparse(device, weighted, dtype):
+@pytest.mark.parametrize("rule", [SGD(lr=0.5), Adam(lr=0.05)], ids=["sgd", "adam"])
+def test_tensorflow_tables_are_safe_embedding_lookup_sparse(device, weighted, dtype, rule):
     """Tables with combiner= (TensorFlow's) beside a TorchRec one: each feature's output is
     embfuse.tf.safe_embedding_lookup_sparse of its bags (itself checked against TensorFlow) in
-    float64; one fused SGD step moves the rows as that function's gradient says. float32 tables
-    take the kernels on a GPU (the safe pass, pooling, fused update)."""
-    ebc = EmbeddingBagCollection(_tf_tables(dtype), is_weighted=weighted, device=device, optimizer=SGD(lr=0.5))
+    float64; one fused step moves the rows as that function's gradient says, and only those
+    (Adam would move a row handed a zero gradient). float32 tables take the kernels on a GPU (the
+    safe pass, pooling, fused update)."""
+    ebc = EmbeddingBagCollection(_tf_tables(dtype), is_weighted=weighted, device=device, optimizer=rule)
     keys, B = ["uid", "friend", "iid", "genres", "tags"], 6
     kjt = _tf_batch(keys, B, device, weighted)
     before = [w.detach().to(torch.float64, copy=True).requires_grad_() for w in ebc.table_weights()]
@@ -337,7 +339,12 @@ def test_tensorflow_tables_are_safe_embedding_lookup_sparse(device, weighted, dt
     out.backward(g)
     want.backward(g.double())
     for w0, w1 in zip(before, ebc.table_weights()):
-        assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, dtype, reduction=8)
+        touched = w0.grad.abs().sum(1) > 0
+        want_w = w0.detach().clone()
+        state = {k: torch.full((int(touched.sum()),) + (() if per == "row" else (w0.shape[1],)), float(v),
+                               dtype=torch.float64, device=device) for k, (per, v) in rule.state_spec().items()}
+        want_w[touched] = rule.update(want_w[touched], w0.grad[touched], state, 1)[0]
+        assert_close(w1.detach(), want_w, dtype, reduction=8)
 
 
 @pytest.mark.parametrize("device", DEVICES)

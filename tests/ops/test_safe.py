@@ -41,10 +41,10 @@ def by_hand(values, offsets, psw, B):
             v, w = int(values[p]), 1.0 if psw is None else float(psw[p])
             keep = not (drop_neg and v < 0) and not (drop_w and w <= 0)
             kept += keep
-            out_v.append(v if keep else 0)
+            out_v.append(v if keep else -1)
             out_w.append(w if keep else 0.0)
         if default is not None:
-            out_v.append(default)
+            out_v.append(default if kept == 0 else -1)
             out_w.append(float(kept == 0))
         out_off.append(len(out_v))
     return out_v, out_off, out_w

@@ -383,7 +383,8 @@ class EmbeddingBagCollection(_Collection):
         with window(resident):
             return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim,
                                       plan.max_dim, plan.layout.vec, status=None if check is None else check.status,
-                                      weight_sums=plan.weight_sums, epilogue=(weight, bias, eps, activation))
+                                      weight_sums=plan.weight_sums, epilogue=(weight, bias, eps, activation),
+                                      skips=plan.skips)
 
 
 class EmbeddingCollection(_Collection):

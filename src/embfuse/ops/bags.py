@@ -34,6 +34,9 @@ from embfuse.ops import tuning
 SUM, MEAN, MAX, SQRTN, WMEAN = 0, 1, 2, 3, 4
 POOLINGS = {"sum": SUM, "mean": MEAN, "max": MAX, "sqrtn": SQRTN, "wmean": WMEAN}
 SCALED = (MEAN, SQRTN, WMEAN)  # modes whose backward scales each value by 1 / norm
+# an id no bag pools: ops/safe.py writes it for the entries TensorFlow's safe lookups drop, and
+# kernels told that a batch `skips` treat it as padding (no row read, no gradient)
+SKIPPED = -1
 WEIGHT_SUMS = (SQRTN, WMEAN)  # modes whose norm sums a term of each weight (weight_term)
 
 # columns of a feature's meta row: first element of its table in the flat buffer, width, first
@@ -42,7 +45,7 @@ WEIGHT_SUMS = (SQRTN, WMEAN)  # modes whose norm sums a term of each weight (wei
 ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = range(7)
 META_COLUMNS = 7
 # the kernels' copies (see _triton.constexprs)
-K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN)
+K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN, K_SKIPPED = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN, SKIPPED)
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 
 
@@ -72,11 +75,12 @@ def bag_of_value(offsets: Tensor, n: int) -> Tensor:
 
 
 def pooled_values(values: Tensor, offsets: Tensor, padding_idx: int = -1) -> tuple[Tensor, Tensor]:
-    """(mask of the values a bag pools: inside [offsets[0], offsets[-1]), not padding; each
-    value's bag, clamped to the last)."""
+    """(mask of the values a bag pools: inside [offsets[0], offsets[-1]), not padding, not
+    negative (SKIPPED: what ops/safe.py leaves of an entry TensorFlow drops); each value's bag,
+    clamped to the last)."""
     FB = offsets.numel() - 1
     bag = bag_of_value(offsets, values.numel())
-    keep = (bag >= 0) & (bag < FB)
+    keep = (bag >= 0) & (bag < FB) & (values >= 0)
     if padding_idx >= 0:
         keep &= values != padding_idx
     return keep, bag.clamp(min=0, max=max(FB - 1, 0)).long()
@@ -317,6 +321,7 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
 
 def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta: Tensor, B: int, *,
                     padding_idx: int = -1, wide_keys: bool = True, scaled: bool = True, weight_sums: bool = False,
+                    skips: bool = False,
                     status: Optional[Tensor] = None, dtype=torch.float32, kernel: Optional[bool] = None,
                     cold: Optional[tuple[Tensor, int]] = None):
     """`backward_inputs_reference` in one launch instead of about ten torch ops over every value.
@@ -324,7 +329,8 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     keys int32 unless `wide_keys` (the reference's are int64), bags int32 while they fit.
     `scaled`: some feature averages (else, without weights, every scale is 1 and none is returned:
     the reduction then reads no scale a value). `weight_sums`: some feature's norm sums its
-    weights (sqrtn, wmean: with weights, a pass sums their terms).
+    weights (sqrtn, wmean: with weights, a pass sums their terms). `skips`: the batch holds SKIPPED
+    ids (ops/safe.py), which get key -1 as padding does.
     `status`: the batch's deferred check; a bad batch gives every value key -1. `kernel`: force
     the kernel (True, interpreted in CPU tests) or the torch ops; None: by device and `dtype`
     (the scales' dtype: float64 tables take the torch ops). `cold`: (cold_start, count) of the
@@ -348,8 +354,9 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
         launch(_backward_inputs_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
             values, offsets, psw if psw is not None else keys, status if status is not None else offsets, meta,
             cold[0] if cold is not None else offsets, keys, bag, scale if has_scale else keys, n, FB, max(B, 1),
-            meta.stride(0), padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale, HAS_PADDING=padding_idx >= 0,
-            NORM_PASS=(padding_idx >= 0 and scaled) or (psw is not None and weight_sums), COLD=cold is not None,
+            meta.stride(0), SKIPPED if skips else padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
+            HAS_PADDING=padding_idx >= 0 or skips, COLD=cold is not None,
+            NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),
             STATUS=status is not None, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
     return keys, bag, scale
 

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
-                              K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS, accumulation,
+                              K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
+                              accumulation,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation
@@ -54,6 +55,7 @@ class Plan:
             self.rules = safe_rules([r or (False, False, None) for r in safe], device)
             drops = torch.tensor([r is not None and r[0] for r in safe], device=device)
             self.limits = torch.where(drops, -self.limits, self.limits)
+        self.skips = self.rules is not None  # batches after the safe pass hold SKIPPED ids
         self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim
@@ -103,10 +105,10 @@ def _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc):
     of the columns inside the value's width): factor = the value's scale (bags.py: w / norm), 0
     past the width (callers mask with a where: element 0 there, and 0 * NaN is NaN).
     Plain tensor ops without host reads, so the reference also traces under torch.compile."""
-    _, bag, factor = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc)
+    keys, bag, factor = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc)
     m = meta[bag // max(B, 1)]
     cols = torch.arange(max_dim, device=values.device)
-    inside = cols[None, :] < m[:, DIM, None]
+    inside = (cols[None, :] < m[:, DIM, None]) & (keys >= 0)[:, None]  # (SKIPPED ids: no element)
     w_at = torch.where(inside, m[:, ELEM_START, None] + values.long()[:, None] * m[:, DIM, None] + cols, 0)
     o_at = torch.where(inside, (bag % max(B, 1))[:, None] * total_dim + m[:, OUT_COL, None] + cols, 0)
     return w_at, o_at, torch.where(inside, factor[:, None], 0), inside
@@ -124,7 +126,8 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
-    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_LW: tl.constexpr,
     HAS_LB: tl.constexpr,
 ):
@@ -147,8 +150,8 @@ def _collection_fwd_kernel(
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
-        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, -1, pool == K_SQRTN, 0,
-                                          HAS_PSW, False, WSUM, BLOCK_L, BLOCK_D, EVICT)
+        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED, pool == K_SQRTN,
+                                          0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:
@@ -169,10 +172,11 @@ def _collection_fwd_kernel(
 
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None,
-                       weight_sums=True, epilogue=None):
+                       weight_sums=True, epilogue=None, skips=False):
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
     `config`: launch-shape overrides for sweeps (tuning.bag_shape); `weight_sums`: Plan's (some
-    feature's norm sums its weights: weighted bags then sum their terms). `epilogue`: (ln_weight (F, D) or
+    feature's norm sums its weights: weighted bags then sum their terms); `skips`: Plan's (the
+    batch holds SKIPPED ids, passed over). `epilogue`: (ln_weight (F, D) or
     None, ln_bias or None, eps, activation): every feature D wide (D <= 256), and each pooled row
     leaves through embfuse.ops.chain's LayerNorm + activation, in the same program."""
     F = meta.shape[0]
@@ -187,20 +191,21 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
         weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
         meta, out, B, out.stride(0), meta.stride(0), ln_w if ln_w is not None else weights,
         ln_b if ln_b is not None else weights, float(eps), HAS_PSW=psw is not None,
-        WSUM=psw is not None and weight_sums, STATUS=status is not None, VEC=vec, EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
+        WSUM=psw is not None and weight_sums, SKIP=skips, STATUS=status is not None, VEC=vec,
+        EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
         HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)
     return out
 
 
 def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, scaled=True,
-                        weight_sums=True, status=None):
+                        weight_sums=True, status=None, skips=False):
     """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta, scaled
     and weight_sums: Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, wide_keys=layout.wide_keys, scaled=scaled,
-                                       weight_sums=weight_sums, status=status, kernel=True)
+                                       weight_sums=weight_sums, status=status, kernel=True, skips=skips)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
@@ -225,7 +230,7 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     over all F * B bags at once (sum; each bag then divided by its norm, bags.py)."""
     D, F = max_dim, meta.shape[0]
     _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
-    rows = meta[:, ROW_START][bag // max(B, 1)] + values.long()
+    rows = meta[:, ROW_START][bag // max(B, 1)] + values.long().clamp(min=0)  # (SKIPPED ids weigh 0)
     table = weights.view(-1, D)
     pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
                                                per_sample_weights=None if psw is None else psw.to(table.dtype))
@@ -240,7 +245,7 @@ def pool_collection(weights, values, offsets, psw, plan, B, status=None):
     meta, total_dim, max_dim = plan.meta, plan.total_dim, plan.max_dim
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, plan.layout.vec,
-                                  status=status, weight_sums=plan.weight_sums)
+                                  status=status, weight_sums=plan.weight_sums, skips=plan.skips)
     return _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, status)
 
 
@@ -256,27 +261,28 @@ def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                    status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
-                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool) -> Tensor:
+                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool, skips: bool) -> Tensor:
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
-                                  status=status, weight_sums=weight_sums)
+                                  status=status, weight_sums=weight_sums, skips=skips)
     return _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
 
 
 @_collection_op.register_fake
 def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys,
-      scaled, weight_sums):
+      scaled, weight_sums, skips):
     return weights.new_empty(B, total_dim)
 
 
 @kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                             status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
-                            max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool) -> Tensor:
+                            max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool,
+                            skips: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
-                                   num_elements, scaled, weight_sums, status)
+                                   num_elements, scaled, weight_sums, status, skips)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         grad = grad * (status[0] == 0)
@@ -285,15 +291,15 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
 
 @_collection_backward_op.register_fake
 def _(grad, values, offsets, per_sample_weights, status, meta, src_meta, B, num_elements, max_dim, vec, wide_keys,
-      scaled, weight_sums):
+      scaled, weight_sums, skips):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
     (weights, values, offsets, psw, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, scaled,
-     weight_sums) = inputs
+     weight_sums, skips) = inputs
     ctx.save_for_backward(values, offsets, psw, status, meta, src_meta)
-    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, weight_sums)
+    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, weight_sums, skips)
 
 
 def _autograd_backward(ctx, grad):
@@ -301,7 +307,7 @@ def _autograd_backward(ctx, grad):
     g = None
     if ctx.needs_input_grad[0]:
         g = _collection_backward_op(grad, values, offsets, psw, status, meta, src_meta, *ctx.args)
-    return (g,) + (None,) * 13
+    return (g,) + (None,) * 14
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -316,5 +322,6 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
     if needs_op(weights):
         L = plan.layout
         return _collection_op(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B,
-                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums)
+                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums,
+                              plan.skips)
     return pool_collection(weights, values, offsets, per_sample_weights, plan, B, status)

@@ -1,19 +1,21 @@
 """TensorFlow's safe lookup rules over a keyed batch, in one pass before the pooling.
 
 `tf.nn.safe_embedding_lookup_sparse` drops ids < 0 (and, for the mean and sqrtn combiners,
-entries whose weight is <= 0) and gives every row left without ids its `default_id` with
-weight 1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of
-the batch); here nothing is dropped: an entry TensorFlow drops stays where it is, with id 0 and
-weight 0, so that it adds nothing to a weighted sum nor to the weights' sum (wmean) or sum of
-squares (sqrtn) the bag module divides by (ops/bags.py). A feature with a default id gets one more
-entry a bag, after the bag's own: the default id, weighted 1 when the bag kept nothing and 0
-otherwise. The batch that comes out has n + B * (features with a default) values, a size known
-on the host, and always carries weights (1 for kept entries of unweighted features).
+entries whose weight is <= 0) and gives every row left without ids its `default_id` with weight
+1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of the
+batch); here nothing moves: an entry TensorFlow drops stays where it is as the id SKIPPED
+(ops/bags.py) with weight 0, which the kernels pass over like padding: no row is read, nothing
+is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn), and no row is
+touched by the backward (a fused Adam would otherwise move rows TensorFlow never looked up). A
+feature with a default id gets one more entry a bag, after the bag's own: the default id with
+weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has n + B * (features
+with a default) values, a size known on the host, and always carries weights (1 for kept entries
+of unweighted features).
 
 A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
 HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
-each come before its first bag). Features
-without flags pass through unchanged (weights 1 when the batch has none).
+each come before its first bag). Features without flags pass through unchanged (weights 1 when
+the batch has none).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import bag_of_value, guard_bags
+from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags
 from embfuse.ops import tuning
 
 DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
@@ -70,11 +72,11 @@ def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     out_v = torch.zeros(n + extra + 1, dtype=values.dtype, device=dev)
     out_w = torch.zeros(n + extra + 1, dtype=dtype, device=dev)
     at = torch.arange(n, device=dev) + shift[bag] if FB else torch.arange(n, device=dev)
-    out_v[at] = torch.where(keep, values, 0)
+    out_v[at] = torch.where(keep, values, SKIPPED)
     out_w[at] = torch.where(keep, w, 0)
     kept = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.long())
     last = torch.where(has_default, new_offsets[1:] - 1, n + extra)
-    out_v[last] = rules[g // B, DEFAULT_ID].to(values.dtype)
+    out_v[last] = torch.where(kept == 0, rules[g // B, DEFAULT_ID], SKIPPED).to(values.dtype)
     out_w[last] = (kept == 0).to(dtype)
     return out_v[:-1], new_offsets.to(offsets.dtype), out_w[:-1]
 
@@ -82,8 +84,8 @@ def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
 @triton.jit
 def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w, n, FB, B, extra,
                       HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as id 0 weight
-    0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
+    """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED with
+    weight 0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
     g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
     real = g < FB
     f = g // B
@@ -112,10 +114,10 @@ def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w
         keep = m & ~(drop_neg & (v < 0)) & ~(drop_w & (w <= 0))
         kept += tl.sum(keep.to(tl.int32), axis=1)
         at = p + shift[:, None]
-        tl.store(out_v + at, tl.where(keep, v, 0).to(out_v.dtype.element_ty), mask=m)
+        tl.store(out_v + at, tl.where(keep, v, K_SKIPPED).to(out_v.dtype.element_ty), mask=m)
         tl.store(out_w + at, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
     last = end + shift  # the default entry's place: right after the bag's own
-    tl.store(out_v + last, default.to(out_v.dtype.element_ty), mask=real & has_default)
+    tl.store(out_v + last, tl.where(kept == 0, default, K_SKIPPED).to(out_v.dtype.element_ty), mask=real & has_default)
     tl.store(out_w + last, (kept == 0).to(out_w.dtype.element_ty), mask=real & has_default)
     tl.store(out_off + g, start + shift, mask=g < FB)
     tl.store(out_off + FB + g * 0, n + extra + g * 0, mask=g == FB - 1)

@@ -180,14 +180,14 @@ def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     element state as one (rows, D) table, every value's gradient row gathered at once, one update
     of all touched rows (not a pass a table)."""
     D, meta = plan.max_dim, plan.meta
-    _, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=plan.scaled)
+    keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=plan.scaled)
     feature = bag // max(B, 1)
     # one width: the pooled gradient is (B, F, D), feature f's block at column OUT_COL[f] = its slot * D
     rows = grad.to(acc).view(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D]
     per = optimizer.state_spec()
     views = {k: v.view(-1, D) if per[k][0] == "element" else v for k, v in state.items()}
-    apply_sparse_update_reference(weights.view(-1, D), views, optimizer, meta[:, ROW_START][feature] + values.long(),
-                                  rows, None, scale, step)
+    ids = torch.where(keys >= 0, meta[:, ROW_START][feature] + values.long(), -1)  # (-1: no row, as SKIPPED)
+    apply_sparse_update_reference(weights.view(-1, D), views, optimizer, ids, rows, None, scale, step)
 
 
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
@@ -199,7 +199,8 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
         kernel = use_kernels(weights) and weights.dtype != torch.float64
     if kernel:
         keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, wide_keys=plan.layout.wide_keys,
-                                           scaled=plan.scaled, weight_sums=plan.weight_sums, status=status, kernel=True)
+                                           scaled=plan.scaled, weight_sums=plan.weight_sums, status=status,
+                                           kernel=True, skips=plan.skips)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
@@ -210,11 +211,11 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     if one_width(plan.meta, plan.total_dim, plan.max_dim):
         return _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, acc)
     # reference: per table, the gradient rows of all its features, then one update
-    _, bag, scale = backward_inputs_reference(values, offsets, psw, plan.meta, B, dtype=acc, scaled=plan.scaled)
+    keys, bag, scale = backward_inputs_reference(values, offsets, psw, plan.meta, B, dtype=acc, scaled=plan.scaled)
     feature = bag // max(B, 1)
     by_table = {}
     for f, (m, t) in enumerate(zip(plan.rows, plan.feature_table)):
-        at = (feature == f).nonzero()[:, 0]
+        at = ((feature == f) & (keys >= 0)).nonzero()[:, 0]  # (SKIPPED ids touch no row)
         rows = grad[bag[at] % max(B, 1), m[OUT_COL]:m[OUT_COL] + m[DIM]].to(acc)
         if scale is not None:
             rows = rows * scale[at][:, None]

@@ -29,10 +29,13 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from embfuse._triton import tracing
-from embfuse.ops.embedding_bag import embedding_bag
+from embfuse._triton import needs_op, tracing
+from embfuse.ops.bags import accumulation
+from embfuse.ops.collection import Plan, embedding_bag_collection
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError
-from embfuse.ops.safe import Rules, safe_bags, safe_rules
+from embfuse.ops.safe import safe_bags
+from embfuse.ops.validate import validate_collection
+from embfuse.optim.lookup import fused_embedding_bag_collection
 
 COMBINERS = ("sum", "mean", "sqrtn")
 Params = Union[Tensor, Sequence[Tensor]]
@@ -229,8 +232,7 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
         batch *= s
     if len(shards) == 1 and max_norm is None:
         out = pool_one_table(shards[0], entry_rows(indices, shape), ids, weights, batch, combiner,
-                             rules(combiner, weights is not None, default_id, ids.device),
-                             ordered=sparse_ids.is_coalesced())
+                             safe_rule(combiner, weights is not None, default_id), ordered=sparse_ids.is_coalesced())
         return out.reshape(*shape[:-1], shards[0].shape[1])
     rows, ids, keep = safe_entries(indices, ids, shape, weights, combiner)
     rows, ids = rows[keep], ids[keep]
@@ -252,41 +254,60 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
 POOLING = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}  # TensorFlow's combiner -> embfuse's pooling
 
 
-def _rules(drop_weights: bool, default_id: Optional[int], device) -> Rules:
-    return safe_rules([(True, drop_weights, default_id)], device)
+def safe_rule(combiner: str, weighted: bool, default_id: Optional[int]) -> tuple:
+    """safe_embedding_lookup_sparse's rule for one table (ops/safe.py): ids < 0 dropped, weights
+    <= 0 too when weighted and the combiner is not sum, the default id."""
+    return (True, weighted and combiner != "sum", default_id)
 
 
-_rules_cached = functools.lru_cache(maxsize=64)(_rules)
+def _plan(rows: int, dim: int, pooling: str, rule: Optional[tuple], device) -> Plan:
+    return Plan([(rows, dim)], [(0, pooling, 0)], device, None if rule is None else [rule])
 
 
-def rules(combiner: str, weighted: bool, default_id: Optional[int], device) -> Rules:
-    """safe_embedding_lookup_sparse's rules (ops/safe.py) for one table (cached in eager code)."""
-    args = (weighted and combiner != "sum", default_id, torch.device(device))
-    return _rules(*args) if tracing() else _rules_cached(*args)
+_plan_cached = functools.lru_cache(maxsize=64)(_plan)
 
 
-def safe_bags_of(rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int, safe: Optional[Rules],
-                 ordered: bool, dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(ids, offsets, weights in `dtype`) of the num_rows bags that entries (row `rows`, id, weight)
-    make, after `safe`'s rules (ops/safe.py) when given. `ordered`: the entries are in row order
-    already (a coalesced sparse tensor: sorted, unique indices, TensorFlow's canonical order);
-    otherwise a stable sort puts them so (the caller's order within a row is kept)."""
+def one_table_plan(table: Tensor, combiner: str, rule: Optional[tuple]) -> Plan:
+    """The collection plan of one table pooled by `combiner` under `rule` (cached in eager code)."""
+    args = (table.shape[0], table.shape[1], POOLING[combiner], rule, table.device)
+    return _plan(*args) if tracing() else _plan_cached(*args)
+
+
+def bags_of(rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int, ordered: bool,
+            dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(ids, offsets, weights in `dtype`) of the num_rows bags that entries (row `rows`, id,
+    weight) make. `ordered`: the entries are in row order already (a coalesced sparse tensor:
+    sorted, unique indices, TensorFlow's canonical order); otherwise a stable sort puts them so
+    (the caller's order within a row is kept)."""
     if not ordered:
         rows, order = torch.sort(rows, stable=True)
         ids = ids[order]
         weights = None if weights is None else weights[order]
     offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=rows.device))
-    if safe is None:
-        return ids, offsets, None if weights is None else weights.to(dtype)
-    return safe_bags(ids, offsets, weights, safe, num_rows, dtype=dtype)
+    return ids, offsets, None if weights is None else weights.to(dtype)
+
+
+def lookup_bags(flat: Tensor, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], plan: Plan, B: int,
+                bounds_check: str = "deferred", fused=None, fresh: bool = True) -> Tensor:
+    """B bags of one table (`flat`: its weight as one flat view, so that a gradient reaches it)
+    through the collection path: the deferred check (ids < 0 let through where the plan's rule
+    drops them), the safe pass (ops/safe.py), one pooling launch; its backward, or with `fused`
+    (a FusedOptimizer of the table) the update inside it, touches no row a dropped id named."""
+    ids, offsets, weights, check = validate_collection(ids, offsets, weights, plan.limits, B, ["sparse_ids"],
+                                                       ["embedding_weights"], bounds_check, fresh=fresh)
+    status = None if check is None else check.status
+    if plan.rules is not None:
+        ids, offsets, weights = safe_bags(ids, offsets, weights, plan.rules, B, status, accumulation(flat))
+    if fused is not None:
+        return fused_embedding_bag_collection(fused, flat, ids, offsets, weights, plan, B, None, check)
+    return embedding_bag_collection(flat, ids, offsets, weights, plan, B, status)
 
 
 def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int,
-                   combiner: str, safe: Optional[Rules], ordered: bool = False, checked: bool = False) -> Tensor:
-    """One table without max_norm: the entries' bags (safe_bags_of) pooled by one embedding_bag
-    in the combiner's pooling (mean: wmean, the weights' sum), with no host read and a fixed
-    number of launches. `checked`: the caller has checked the ids already (the pooling's deferred
-    check catches ids past the table otherwise)."""
-    ids, offsets, w = safe_bags_of(rows, ids, weights, num_rows, safe, ordered, table.dtype)
-    return embedding_bag(ids, table, offsets, mode=POOLING[combiner], per_sample_weights=w, include_last_offset=True,
-                         bounds_check="off" if checked else "deferred")
+                   combiner: str, rule: Optional[tuple], ordered: bool = False, checked: bool = False) -> Tensor:
+    """One table without max_norm, with no host read and a fixed number of launches: the
+    entries' bags (bags_of) through `lookup_bags` in the combiner's pooling (mean: wmean, over
+    the weights' sum). `checked`: the caller has checked the ids already."""
+    ids, offsets, w = bags_of(rows, ids, weights, num_rows, ordered, accumulation(table))
+    return lookup_bags(table.reshape(-1), ids, offsets, w, one_table_plan(table, combiner, rule), num_rows,
+                       "off" if checked else "deferred", fresh=needs_op(table))

@@ -4,12 +4,14 @@
 sparse_weights, combiner, default_id)` (lookup.py's rules) and, with `optimizer=` (an
 embfuse.optim rule), its backward updates the touched rows in place, as embfuse.nn.EmbeddingBag's.
 
-How, without a host read: the entries' bags after TensorFlow's safe rules come from one pass
-(ops/safe.py: dropped ids stay in place as id 0 with weight 0, a default id is one more entry a
-row weighted 1 only where the row kept nothing), and one weighted embedding_bag pools them in the
-combiner's pooling (mean: wmean, over the weights' sum; sqrtn: over their root sum of squares)
-with the fused backward and update of embfuse.nn.EmbeddingBag. For many features at once, an
-EmbeddingBagCollection of tables with `combiner=` does the same in one launch each way.
+How, without a host read: the table is a collection of one (lookup.py's lookup_bags): the
+deferred check, TensorFlow's safe rules in one pass (ops/safe.py: dropped ids stay in place,
+skipped by the kernels; a default id is one more entry a row, used only where the row kept
+nothing), and one pooling launch in the combiner's pooling (mean: wmean, over the weights' sum;
+sqrtn: over their root sum of squares), whose backward updates only the rows TensorFlow looked
+up. `bag` (an embfuse.nn.EmbeddingBag) holds the weight and the optimizer state. For many
+features at once, an EmbeddingBagCollection of tables with `combiner=` does the same in one
+launch each way.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch
 from torch import Tensor
 
 from embfuse.nn.modules import EmbeddingBag
-from embfuse.tf.lookup import COMBINERS, POOLING, _sparse_parts, _weights_of, entry_rows, rules, safe_bags_of
+from embfuse._triton import needs_op
+from embfuse.ops.bags import accumulation
+from embfuse.tf.lookup import (COMBINERS, POOLING, _sparse_parts, _weights_of, bags_of, entry_rows, lookup_bags,
+                               one_table_plan, safe_rule)
 
 
 class SafeEmbeddingBag(torch.nn.Module):
@@ -51,7 +56,10 @@ class SafeEmbeddingBag(torch.nn.Module):
         indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
         given = _weights_of(sparse_weights, indices)
         N = math.prod(shape[:-1])
-        ids, offsets, w = safe_bags_of(entry_rows(indices, shape), ids, given, N,
-                                       rules(self.combiner, given is not None, self.default_id, ids.device),
-                                       sparse_ids.is_coalesced(), self.weight.dtype)
-        return self.bag(ids, offsets, per_sample_weights=w).reshape(*shape[:-1], self.weight.shape[1])
+        ids, offsets, w = bags_of(entry_rows(indices, shape), ids, given, N, sparse_ids.is_coalesced(),
+                                  accumulation(self.weight))
+        plan = one_table_plan(self.weight, self.combiner, safe_rule(self.combiner, given is not None, self.default_id))
+        fused = self.bag._fused_now()
+        out = lookup_bags(self.weight.view(-1), ids, offsets, w, plan, N, self.bag.bounds_check, fused,
+                          fresh=fused is not None or needs_op(self.weight))
+        return out.reshape(*shape[:-1], self.weight.shape[1])
