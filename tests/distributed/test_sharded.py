@@ -242,3 +242,13 @@ def _dead_rank(rank, world):
 
 def test_a_rank_that_leaves_makes_the_others_time_out():
     run_world(_dead_rank, 2, timeout=5)
+
+
+def _refuses_tensorflow_tables(rank, world):
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="mean")])
+    with pytest.raises(NotImplementedError, match="combiner= cannot be sharded"):
+        ed.shard(ebc)
+
+
+def test_tables_with_tensorflows_combiner_are_refused():
+    run_world(_refuses_tensorflow_tables, 1)

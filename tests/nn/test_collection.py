@@ -255,7 +255,7 @@ def test_tensorflow_poolings_pool_and_train_like_the_single_table_op(device, wei
     ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device, optimizer=SGD(lr=0.5))
     kjt = random_kjt(["uid", "friend", "iid", "genres"], 5, device, weighted)
     before = [w.detach().clone().requires_grad_() for w in ebc.table_weights()]
-    d, want, loss = kjt.to_dict(), [], 0
+    d, want = kjt.to_dict(), []
     for t, w in zip(ebc.tables, before):
         for f in t.feature_names:
             jt = d[f]

@@ -56,9 +56,8 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
     `memory_per_rank` feed it). Every rank must pass the same tables, options and plan; the
     tables start as rank 0's `ebc` (its weights and optimizer state)."""
     world = dist.get_world_size(group)
-    tf = [t.name for t in ebc.tables if getattr(t, "combiner", None) is not None]
-    if tf:
-        raise NotImplementedError(f"tables with TensorFlow's combiner ({tf}) cannot be sharded yet")
+    if any(getattr(t, "combiner", None) is not None for t in ebc.tables):
+        raise NotImplementedError("tables with TensorFlow's combiner= cannot be sharded yet")
     if not isinstance(plan, ShardingPlan):
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:
@@ -471,10 +470,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if psw is None:
             wsum = lengths.to(torch.float32)
         else:
-            offsets = kjt.offsets().long()
-            bag = bag_of_value(offsets, psw.numel())
-            wsum = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag,
-                                                                                 weight_term(pool[bag], psw.float()))
+            bag = bag_of_value(kjt.offsets().long(), psw.numel())
+            terms = weight_term(pool[bag], psw.float())
+            wsum = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag, terms)
         norm = pool_norm_reference(pool, lengths, wsum).view(F, B).T
         return norm.repeat_interleave(self._dims_t, dim=1, output_size=sum(self._dims))
 
