@@ -374,3 +374,47 @@ def test_tensorflow_tables_refuse_what_tensorflow_refuses(device):
             EmbeddingBagCollection([EmbeddingBagConfig(20, 4, "user", feature_names=["uid"], **bad)])
     with pytest.raises(ValueError, match="neither hot_rows"):
         EmbeddingBagCollection(_tf_tables(torch.float32), optimizer=SGD(lr=0.1), hot_rows=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("rule", [None, SGD(lr=0.5)], ids=["grad", "sgd"])
+def test_variable_batch_size_per_feature_is_torchrecs_vbe(device, weighted, rule):
+    """A batch whose features have their own batch sizes (TorchRec's VBE): each feature pooled
+    over its own bags, output sample b of feature f taking its row inverse_indices[f][b]; the
+    gradient (or one fused SGD step) of every table as that reference's, in float64."""
+    ts = [EmbeddingBagConfig(20, 4, "user", torch.float64, ["uid", "friend"], pooling="wmean" if weighted else "mean"),
+          EmbeddingBagConfig(9, 3, "item", torch.float64, ["iid"]),
+          EmbeddingBagConfig(7, 5, "genre", torch.float64, ["genres"], pooling="sqrtn")]
+    ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device, optimizer=rule)
+    keys, strides, B = ["iid", "uid", "genres", "friend"], [2, 5, 1, 3], 5  # (not the collection's order)
+    rows_of = {"uid": 20, "friend": 20, "iid": 9, "genres": 7}
+    lengths = torch.cat([torch.randint(0, 4, (s,)) for s in strides])
+    values = torch.cat([torch.randint(0, rows_of[k], (int(sum(n)),)) for k, n in
+                        zip(keys, torch.split(lengths, strides))])
+    weights = torch.rand(values.numel(), dtype=torch.float64) + 0.5 if weighted else None
+    inverse = torch.stack([torch.randint(0, s, (B,)) for s in strides])
+    kjt = KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride_per_key_per_rank=[[s] for s in strides],
+                            inverse_indices=(keys, inverse)).to(device)
+    before = [w.detach().to(torch.float64, copy=True).requires_grad_() for w in ebc.table_weights()]
+    d, want = kjt.to_dict(), []
+    for t, w in zip(ebc.tables, before):
+        for f in t.feature_names:
+            jt = d[f]
+            pooled = embfuse.embedding_bag(jt.values(), w, jt.offsets(), mode=t.pooling, include_last_offset=True,
+                                           per_sample_weights=jt.weights() if weighted else None)
+            want.append(pooled[inverse[keys.index(f)].to(device)])
+    want = torch.cat(want, 1)
+    out = ebc(kjt).values()
+    assert out.shape == (B, 4 + 4 + 3 + 5)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want.backward(g)
+    if rule is None:
+        grads = torch.split(ebc.weights.grad, [r * d for r, d in ebc._shapes])
+        for g1, w0 in zip(grads, before):
+            torch.testing.assert_close(g1.view(w0.shape), w0.grad, rtol=1e-12, atol=1e-12)
+    else:
+        for w0, w1 in zip(before, ebc.table_weights()):
+            torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)

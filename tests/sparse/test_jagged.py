@@ -273,10 +273,11 @@ def test_variable_batch_size_per_key():
         KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[2], [1]])
     with pytest.raises(ValueError, match=r"feature 'b': lengths\[3\] \(sample 0\) = -1"):
         KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 2, -1]), stride_per_key_per_rank=[[3], [1]])
-    # a lookup of such a batch is not built yet: a clear refusal, not a wrong answer
+    # a collection pools it (tests/nn/test_collection.py); without inverse indices it cannot
     ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(10, 4, "t", feature_names=["a", "b"])])
-    with pytest.raises(NotImplementedError, match="different batch sizes"):
-        ebc(kjt)
+    assert ebc(kjt).values().shape == (4, 8)
+    with pytest.raises(ValueError, match="needs inverse_indices"):
+        ebc(without)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

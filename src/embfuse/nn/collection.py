@@ -230,14 +230,34 @@ class _Collection(FusedModule, torch.nn.Module):
         if kjt.variable_stride_per_key():
             raise NotImplementedError(
                 f"a batch whose features have different batch sizes (stride_per_key "
-                f"{kjt.stride_per_key()}; TorchRec's variable batch size) cannot be looked up yet: give every "
-                f"feature {kjt.stride()} samples")
+                f"{kjt.stride_per_key()}; TorchRec's variable batch size) is pooled by EmbeddingBagCollection's "
+                f"forward only: give every feature {kjt.stride()} samples here")
         missing = [f for f in self.feature_names if f not in kjt.keys()]
         if missing:
             raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
         if len(kjt.keys()) != len(self.feature_names):
             kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
         return kjt
+
+
+class _Expand(torch.autograd.Function):
+    """out[b, feature f's columns] = pooled[rows[f, b], those columns]: a variable-batch lookup's
+    pooled rows handed to the output samples that share them. The backward adds the gradients
+    of the samples sharing a row by index_put(accumulate=True), which sorts (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, pooled, rows, dims):
+        ctx.save_for_backward(rows)
+        ctx.dims, ctx.shape = dims, pooled.shape
+        return torch.cat([p.index_select(0, r) for p, r in zip(torch.split(pooled, dims, 1), rows)], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.shape)
+        for o, g, r in zip(torch.split(out, ctx.dims, 1), torch.split(grad, ctx.dims, 1), rows):
+            o.index_put_((r,), g, accumulate=True)
+        return out, None, None
 
 
 class EmbeddingBagCollection(_Collection):
@@ -326,6 +346,9 @@ class EmbeddingBagCollection(_Collection):
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        rows = None
+        if features.variable_stride_per_key():  # TorchRec's variable batch size per feature
+            features, rows = self._one_stride(features)
         fused = self._fused_now()
         trains = fused is not None or needs_op(self.weights)
         B, plan, values, offsets, psw, check, resident = self._checked(features, trains, trains)
@@ -338,7 +361,30 @@ class EmbeddingBagCollection(_Collection):
             status = None if check is None else check.status
             with window(resident):
                 out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B, status)
+        if rows is not None:
+            out = _Expand.apply(out, rows, self._dims)
         return KeyedTensor(self.feature_names, self._dims, out)
+
+    def _one_stride(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor]:
+        """A batch whose features have their own batch sizes (stride_per_key) as one of the
+        largest stride, each feature's bags padded with empty ones; and the (F, B) rows of the
+        pooled output each output sample takes (TorchRec's inverse_indices, in feature order)."""
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is None:
+            raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
+                             f"{kjt.stride_per_key()}) needs inverse_indices to be pooled (TorchRec's rule)")
+        keys, index = inverse
+        missing = [f for f in self.feature_names if f not in kjt.keys() or f not in keys]
+        if missing:
+            raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
+        kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        strides, dev = kjt.stride_per_key(), kjt.values().device
+        B = max(strides)
+        at = torch.cat([torch.arange(f * B, f * B + s, device=dev) for f, s in enumerate(strides)])
+        lengths = torch.zeros(len(strides) * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
+        padded = KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
+                                   length_per_key=kjt.length_per_key())
+        return padded, torch.stack([index[keys.index(f)] for f in self.feature_names]).long()
 
     @property
     def l2_residency(self) -> Optional[ResidencyReport]:
