@@ -243,7 +243,9 @@ class _Collection(FusedModule, torch.nn.Module):
 class _Expand(torch.autograd.Function):
     """out[b, feature f's columns] = pooled[rows[f, b], those columns]: a variable-batch lookup's
     pooled rows handed to the output samples that share them. The backward adds the gradients
-    of the samples sharing a row by index_put(accumulate=True), which sorts (deterministic)."""
+    of the samples sharing a row deterministically: index_put(accumulate=True) sorts on CUDA,
+    index_add runs in order on the CPU (torch's deterministic-algorithms notes: each op's other
+    device is the nondeterministic one)."""
 
     @staticmethod
     def forward(ctx, pooled, rows, dims):
@@ -256,7 +258,7 @@ class _Expand(torch.autograd.Function):
         (rows,) = ctx.saved_tensors
         out = grad.new_zeros(ctx.shape)
         for o, g, r in zip(torch.split(out, ctx.dims, 1), torch.split(grad, ctx.dims, 1), rows):
-            o.index_put_((r,), g, accumulate=True)
+            o.index_put_((r,), g, accumulate=True) if o.is_cuda else o.index_add_(0, r, g)
         return out, None, None
 
 
