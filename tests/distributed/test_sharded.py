@@ -244,11 +244,17 @@ def test_a_rank_that_leaves_makes_the_others_time_out():
     run_world(_dead_rank, 2, timeout=5)
 
 
-def _refuses_tensorflow_tables(rank, world):
+def _refuses(rank, world):
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="mean")])
     with pytest.raises(NotImplementedError, match="combiner= cannot be sharded"):
         ed.shard(ebc)
+    model = ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa", "fb"])]))
+    vbe = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]),
+                            stride_per_key_per_rank=[[2], [1]], inverse_indices=(["fa", "fb"], torch.zeros(2, 2)))
+    with pytest.raises(ValueError, match="own batch sizes"):
+        model(vbe)
 
 
-def test_tables_with_tensorflows_combiner_are_refused():
-    run_world(_refuses_tensorflow_tables, 1)
+def test_what_cannot_be_sharded_yet_is_refused():
+    """Tables with TensorFlow's combiner, and batches whose features have their own batch sizes."""
+    run_world(_refuses, 1)

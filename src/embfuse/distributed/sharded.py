@@ -69,8 +69,7 @@ def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan) -> dict:
     return {
         "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(_dtype(t.data_type)), _pooling(t.pooling),
                     list(t.feature_names)) for t in ebc.tables],
-        "is_weighted": ebc.is_weighted(),
-        "optimizer": repr(ebc.optimizer),
+        "is_weighted": ebc.is_weighted(), "optimizer": repr(ebc.optimizer),
         "hot_rows": None if ebc._hot is None else (ebc._hot.k, ebc._hot.refresh, ebc._hot.min_values),
         "plan": plan.describe(),
     }
@@ -221,8 +220,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     # ---- forward ----
     def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         missing = [f for f in self.feature_names if f not in kjt.keys()]
-        if missing:
-            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
+        if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
+            raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
+                   ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
         if kjt.keys() != self.feature_names:
             kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
         return kjt
