@@ -137,7 +137,7 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
 @given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
 def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
     """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
-    ids, bad offsets included (the feature starts loaded at once or searched, by F)."""
+    ids, bad offsets included."""
     import itertools
 
     from embfuse.ops.collection import Plan
@@ -152,14 +152,7 @@ def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
                           device=KERNEL_DEVICE)
     expected = _collection_flags_reference(values, offsets, plan.limits, B)
     keys = [f"f{i}" for i in range(F)]
-    from embfuse.ops import tuning
-
-    searched = data.draw(st.booleans())
-    saved, tuning.CHECK_ONE_LOAD_FEATURES = tuning.CHECK_ONE_LOAD_FEATURES, 0 if searched else 256
-    try:
-        *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True)
-    finally:
-        tuning.CHECK_ONE_LOAD_FEATURES = saved
+    *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True)
     got = int(check.status[0])
     # bad offsets are flagged by both; ids are compared only when the offsets are good
     assert bool(got & BAD_OFFSETS) == bool(expected & BAD_OFFSETS)
@@ -239,18 +232,15 @@ def test_skip_warnings_point_at_the_callers_line():
 
 @requires_kernels
 @pytest.mark.parametrize("chunks", [1, 2, 4])
-@pytest.mark.parametrize("one_load", [True, False], ids=["one-load", "search"])
-def test_collection_check_over_several_blocks_a_program(monkeypatch, chunks, one_load):
+def test_collection_check_over_several_blocks_a_program(monkeypatch, chunks):
     """Blocks of 1024 values, several a program: features that start inside a block and one that
     spans blocks, a bad id in the last block of a program and one in a feature's first value;
-    every block's verdict reaches the status, and a good batch passes. The block starts' features
-    come from every feature start loaded at once, or (more features than that takes) a search."""
+    every block's verdict reaches the status, and a good batch passes."""
     from embfuse.ops import tuning
     from embfuse.ops.collection import Plan
     from embfuse.ops.validate import validate_collection
 
     monkeypatch.setattr(tuning, "check_chunks", lambda n: chunks)
-    monkeypatch.setattr(tuning, "CHECK_ONE_LOAD_FEATURES", 256 if one_load else 0)
     rows = [50, 3, 7000, 20]
     plan = Plan([(r, 4) for r in rows], [(f, "sum", 4 * f) for f in range(4)], KERNEL_DEVICE)
     B = 3

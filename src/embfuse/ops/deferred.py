@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from embfuse._triton import cdiv, constexprs, launch, next_pow2, tl, tracing, triton
+from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
 from embfuse.ops.errors import BadBatchError, BadIdError
 from embfuse.ops import tuning
 from embfuse.ops.residency import hot_ids
@@ -95,8 +95,8 @@ def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
-                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, FMAX: tl.constexpr,
-                       CHECK: tl.constexpr, REMAP: tl.constexpr):
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
+                       REMAP: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
@@ -107,18 +107,9 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
-    # the features at every block's first value (and the next program's), found at once: with at
-    # most FMAX features, every feature start in one load and a count of those at or before each
-    # block (one load's latency); else a binary search (STEPS dependent loads)
+    # the features at every block's first value (and the next program's), searched at once
     j = tl.arange(0, 2 * CHUNKS)
-    at = start + j.to(tl.int64) * BLOCK
-    if FMAX > 0:
-        fk = tl.arange(0, FMAX)
-        later = (fk >= 1) & (fk < F)
-        starts = tl.load(offsets + fk.to(tl.int64) * B, mask=later, other=0).to(tl.int64)
-        f_at = tl.sum(((starts[None, :] <= at[:, None]) & later[None, :]).to(tl.int64), axis=1)
-    else:
-        f_at = _features_at(offsets, at, B, F, STEPS)
+    f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
     bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
     for c in range(CHUNKS):
@@ -325,8 +316,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check, values),
         out if out is not None else values, resident.info if resident is not None else values,
         resident.words if resident is not None else values,
-        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()),
-        FMAX=next_pow2(F) if F <= tuning.CHECK_ONE_LOAD_FEATURES else 0, CHECK=check is not None,
+        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
         REMAP=resident is not None)
 
 

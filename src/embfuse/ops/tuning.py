@@ -60,10 +60,6 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
 
 # ids a block of the flat checks (one table's, a keyed batch's; NOTES: "check kernels", session 14)
 CHECK_BLOCK = 1024
-# a keyed batch of at most this many features has its check load every feature start at once (a
-# register vector of this many int64 a program, compared with 16 block starts) instead of a binary
-# search of dependent loads (NOTES, session 15: the check was latency-bound)
-CHECK_ONE_LOAD_FEATURES = 256
 
 
 def check_chunks(n: int) -> int:
