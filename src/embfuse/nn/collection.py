@@ -19,12 +19,12 @@ from torch import Tensor
 
 from embfuse._triton import needs_op
 from embfuse.nn.modules import FusedModule
-from embfuse.ops.bags import ROW_START, bag_of_value
+from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
 from embfuse._triton import use_kernels
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
-from embfuse.ops.safe import safe_bags
+from embfuse.ops.safe import POOLING, safe_bags, safe_rule
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -95,9 +95,6 @@ class EmbeddingBagConfig(EmbeddingConfig):
     default_id: Optional[int] = None
 
 
-_COMBINED = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}  # TensorFlow's combiner -> pooling
-
-
 def _tf_rules(t: EmbeddingBagConfig) -> Optional[str]:
     """The table's pooling when it has TensorFlow's combiner (checked), else None."""
     combiner, default = getattr(t, "combiner", None), getattr(t, "default_id", None)
@@ -105,14 +102,14 @@ def _tf_rules(t: EmbeddingBagConfig) -> Optional[str]:
         if default is not None:
             raise ValueError(f"table {t.name!r}: default_id is TensorFlow's safe lookup rule; give combiner= too")
         return None
-    if combiner not in _COMBINED:
+    if combiner not in POOLING:
         raise ValueError(f"table {t.name!r}: combiner must be 'sum', 'mean' or 'sqrtn', got {combiner!r}")
     if _pooling(t.pooling) != "sum":
         raise ValueError(f"table {t.name!r}: give combiner= (TensorFlow's) or pooling= (TorchRec's), not both")
     if default is not None and (isinstance(default, bool) or not isinstance(default, int)
                                 or not 0 <= default < t.num_embeddings):
         raise ValueError(f"table {t.name!r}: default_id {default!r} is out of range for {t.num_embeddings} rows")
-    return _COMBINED[combiner]
+    return POOLING[combiner]
 
 
 class _Collection(FusedModule, torch.nn.Module):
@@ -312,7 +309,7 @@ class EmbeddingBagCollection(_Collection):
                 self._feature[f] = (i, tf or _pooling(t.pooling), col)
                 col += t.embedding_dim
                 if tf is not None:
-                    self._safe[f] = (True, is_weighted and t.combiner != "sum", t.default_id)
+                    self._safe[f] = safe_rule(t.combiner, is_weighted, t.default_id)
         self._dims = [self.tables[self._feature[f][0]].embedding_dim for f in self.feature_names]
 
     def is_weighted(self) -> bool:
@@ -342,9 +339,8 @@ class EmbeddingBagCollection(_Collection):
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
             [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh, remap=resident)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
-            dtype = torch.float64 if self.weights.dtype == torch.float64 else torch.float32
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
-                                             None if check is None else check.status, dtype)
+                                             None if check is None else check.status, accumulation(self.weights))
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

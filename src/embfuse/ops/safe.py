@@ -34,6 +34,16 @@ K_DROP_NEGATIVE, K_DROP_WEIGHTS, K_HAS_DEFAULT = constexprs(DROP_NEGATIVE, DROP_
 FLAGS, DEFAULT_ID, DEFAULTS_BEFORE = range(3)
 
 
+# TensorFlow's combiner -> the bag module's pooling (its mean is over the weights' sum: wmean)
+POOLING = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}
+
+
+def safe_rule(combiner: str, weighted: bool, default_id: Optional[int]) -> tuple:
+    """safe_embedding_lookup_sparse's rule for a feature pooled by `combiner`: ids < 0 dropped,
+    weights <= 0 too when weighted and the combiner is not sum, the default id (or None)."""
+    return (True, weighted and combiner != "sum", default_id)
+
+
 class Rules(NamedTuple):
     """Every feature's rule: `table` (F, 3) on the device; `defaults`, how many features have a
     default id (on the host: a batch of B samples gains B * defaults entries)."""

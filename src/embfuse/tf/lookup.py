@@ -33,7 +33,7 @@ from embfuse._triton import needs_op, tracing
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import Plan, embedding_bag_collection
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError
-from embfuse.ops.safe import safe_bags
+from embfuse.ops.safe import POOLING, safe_bags, safe_rule
 from embfuse.ops.validate import validate_collection
 from embfuse.optim.lookup import fused_embedding_bag_collection
 
@@ -249,15 +249,6 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
             weights = torch.cat([weights, weights.new_ones(filled.numel())])[order]
     out = combine_reference(shards, rows, ids, weights, batch, combiner, partition_strategy, max_norm)
     return out.reshape(*shape[:-1], shards[0].shape[1])
-
-
-POOLING = {"sum": "sum", "mean": "wmean", "sqrtn": "sqrtn"}  # TensorFlow's combiner -> embfuse's pooling
-
-
-def safe_rule(combiner: str, weighted: bool, default_id: Optional[int]) -> tuple:
-    """safe_embedding_lookup_sparse's rule for one table (ops/safe.py): ids < 0 dropped, weights
-    <= 0 too when weighted and the combiner is not sum, the default id."""
-    return (True, weighted and combiner != "sum", default_id)
 
 
 def _plan(rows: int, dim: int, pooling: str, rule: Optional[tuple], device) -> Plan:

@@ -25,8 +25,8 @@ from torch import Tensor
 from embfuse.nn.modules import EmbeddingBag
 from embfuse._triton import needs_op
 from embfuse.ops.bags import accumulation
-from embfuse.tf.lookup import (COMBINERS, POOLING, _sparse_parts, _weights_of, bags_of, entry_rows, lookup_bags,
-                               one_table_plan, safe_rule)
+from embfuse.ops.safe import POOLING, safe_rule
+from embfuse.tf.lookup import COMBINERS, _sparse_parts, _weights_of, bags_of, entry_rows, lookup_bags, one_table_plan
 
 
 class SafeEmbeddingBag(torch.nn.Module):
