@@ -26,12 +26,14 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags
+from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags, program_bags
 from embfuse.ops import tuning
 
 DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
 K_DROP_NEGATIVE, K_DROP_WEIGHTS, K_HAS_DEFAULT = constexprs(DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT)
-FLAGS, DEFAULT_ID, DEFAULTS_BEFORE = range(3)
+FLAGS, DEFAULT_ID, DEFAULTS_BEFORE = range(3)  # a rule's columns
+RULE_COLUMNS = 3
+K_FLAGS, K_DEFAULT_ID, K_DEFAULTS_BEFORE, K_RULE_COLUMNS = constexprs(FLAGS, DEFAULT_ID, DEFAULTS_BEFORE, RULE_COLUMNS)
 
 
 # TensorFlow's combiner -> the bag module's pooling (its mean is over the weights' sum: wmean)
@@ -59,7 +61,7 @@ def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rule
         flags = DROP_NEGATIVE * drop_negative + DROP_WEIGHTS * drop_weights + HAS_DEFAULT * (default is not None)
         rows.append([flags, 0 if default is None else default, before])
         before += default is not None
-    return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 3), before)
+    return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, RULE_COLUMNS), before)
 
 
 def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, B: int,
@@ -96,15 +98,12 @@ def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w
                       HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED with
     weight 0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
-    g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    f = g // B
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
-    flags = tl.load(rules + f * 3, mask=real, other=0)
-    default = tl.load(rules + f * 3 + 1, mask=real, other=0)
+    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
+    flags = tl.load(rules + f * K_RULE_COLUMNS + K_FLAGS, mask=real, other=0)
+    default = tl.load(rules + f * K_RULE_COLUMNS + K_DEFAULT_ID, mask=real, other=0)
     has_default = (flags & K_HAS_DEFAULT) != 0
-    shift = tl.load(rules + f * 3 + 2, mask=real, other=0) * B + tl.where(has_default, g - f * B, 0)
+    before = tl.load(rules + f * K_RULE_COLUMNS + K_DEFAULTS_BEFORE, mask=real, other=0)
+    shift = before * B + tl.where(has_default, g - f * B, 0)
     if STATUS:
         good = tl.load(status + g * 0) == 0  # (one address for every lane)
         real = real & good
