@@ -35,7 +35,7 @@ from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
 from embfuse.ops import errors
-from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, pool_norm_reference, weight_term
+from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, divide_reference, pool_norm_reference, weight_term
 from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
@@ -456,8 +456,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         for layer in index[1:]:
             out = out + side.index_select(1, layer).float()
         if self._needs_norm:
-            norms = self._norms(kjt, B)  # (wmean's is 0 where its weights sum to 0: the output is 0)
-            out = torch.where(norms != 0, out / torch.where(norms != 0, norms, 1), 0)
+            out = divide_reference(out, self._norms(kjt, B))  # (0 where wmean's weights sum to 0)
         return out.to(recv.dtype)
 
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:

@@ -102,8 +102,9 @@ def pool_norm_reference(pool: Tensor, count: Tensor, wsum: Tensor) -> Tensor:
 
 
 def divide_reference(x: Tensor, norm: Tensor) -> Tensor:
-    """x / norm per bag (norm: one a row of x), 0 where the norm is 0 (TensorFlow's div_no_nan)."""
-    norm = norm[:, None].to(x.dtype)
+    """x / norm per bag (norm: one a row of x, or one an element), 0 where the norm is 0
+    (TensorFlow's div_no_nan)."""
+    norm = (norm[:, None] if norm.dim() == 1 else norm).to(x.dtype)
     return torch.where(norm != 0, x / torch.where(norm != 0, norm, 1), 0)
 
 
