@@ -248,6 +248,9 @@ def _refuses(rank, world):
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="mean")])
     with pytest.raises(NotImplementedError, match="combiner= cannot be sharded"):
         ed.shard(ebc)
+    with pytest.raises(NotImplementedError, match="several tables cannot be sharded"):
+        ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"]),
+                                         EmbeddingBagConfig(10, 4, "b", feature_names=["fa"])]))
     model = ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa", "fb"])]))
     vbe = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]),
                             stride_per_key_per_rank=[[2], [1]], inverse_indices=(["fa", "fb"], torch.zeros(2, 2)))
@@ -256,5 +259,6 @@ def _refuses(rank, world):
 
 
 def test_what_cannot_be_sharded_yet_is_refused():
-    """Tables with TensorFlow's combiner, and batches whose features have their own batch sizes."""
+    """Tables with TensorFlow's combiner, a feature of two tables, and batches whose features
+    have their own batch sizes."""
     run_world(_refuses, 1)

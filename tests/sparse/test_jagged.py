@@ -122,6 +122,12 @@ def test_a_kjt_is_a_generic_jagged_container_as_torchrecs():
     with pytest.raises(TypeError, match="values must be int32 or int64, got torch.float32"):
         embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(4, 2, "t", feature_names=["a"])])(
             KeyedJaggedTensor(["a"], torch.rand(2), lengths=torch.tensor([2])))
+    # integer weights (TorchRec's EmbeddingCollection puts ids there): checked where they scale rows
+    ids = KeyedJaggedTensor(["a"], torch.arange(2), torch.arange(2), lengths=torch.tensor([2]))
+    assert ids.weights().tolist() == [0, 1]
+    with pytest.raises(TypeError, match="weights must be floating point, got torch.int64"):
+        embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(4, 2, "t", feature_names=["a"])],
+                                       is_weighted=True)(ids)
 
 
 def test_keyed_tensor_and_jagged_tensor():
@@ -135,16 +141,16 @@ def test_keyed_tensor_and_jagged_tensor():
 @pytest.mark.parametrize("make, exc, message", [
     (lambda: KeyedJaggedTensor("uid", torch.arange(2), lengths=torch.tensor([2])), TypeError,
      "keys must be a sequence of strings"),
-    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2.0])), TypeError,
+    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2.0])), (TypeError, AssertionError),
      "lengths must be integers"),
+    (lambda: JaggedTensor(torch.arange(2), offsets=torch.tensor([0.0, 2.0])), (TypeError, AssertionError),
+     "offsets must be integers"),
     (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([[2]])), ValueError,
      "lengths must be 1-D"),
     (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([3])), ValueError,
      "lengths add up to 3 but there are 2 values"),
     (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]), weights=torch.rand(3)),
      ValueError, "weights has shape"),
-    (lambda: KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2]), weights=torch.ones(2).long()),
-     TypeError, "weights must be floating point"),
     (lambda: KeyedJaggedTensor(["a", "b"], torch.arange(3), offsets=torch.tensor([0, 2, 1])), ValueError,
      r"offsets must start at 0 and never decrease; offsets\[2\] = 1"),
 ])

@@ -19,8 +19,7 @@ Forward, on every rank, for its own batch of B samples:
    order: deterministic), then divides row-wise mean / sqrtn features by the whole bag's norm.
 
 The backward carries gradients to the shards' owners; their local fused optimizers update in
-place. Every rank must call backward (as with DistributedDataParallel).
-"""
+place. Every rank must call backward (as with DistributedDataParallel)."""
 
 from __future__ import annotations
 
@@ -58,6 +57,8 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
     world = dist.get_world_size(group)
     if any(getattr(t, "combiner", None) is not None for t in ebc.tables):
         raise NotImplementedError("tables with TensorFlow's combiner= cannot be sharded yet")
+    if ebc.embedding_names != ebc.feature_names:
+        raise NotImplementedError("a feature looked up by several tables cannot be sharded yet")
     if not isinstance(plan, ShardingPlan):
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:
@@ -116,9 +117,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         # whole row's squared gradient, summed across the pieces (see PieceUpdate)
         self._exact = {t.name for t in ebc.tables if rowwise_state and plan.types[t.name] == "column_wise"
                        and len(plan.shards[t.name]) > 1}
-        self.tables = list(ebc.tables)
-        self.feature_names = list(ebc.feature_names)
-        self._dims = list(ebc._dims)
+        self.tables, self.feature_names, self._dims = list(ebc.tables), list(ebc.feature_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
         self._optimizer = ebc.optimizer
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}

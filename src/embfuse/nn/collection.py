@@ -112,6 +112,28 @@ def _tf_rules(t: EmbeddingBagConfig) -> Optional[str]:
     return POOLING[combiner]
 
 
+class TableView(torch.nn.Module):
+    """One table of a collection as TorchRec's per-table module shows it: `weight` is a (rows,
+    dim) view of the collection's flat buffer (so writes to it are the collection's), with
+    `num_embeddings` and `embedding_dim`. Made on each access; not a submodule (the state_dict
+    already names each table as TorchRec's does)."""
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+
+def embedding_names_by_table(tables) -> list[list[str]]:
+    """Each table's output names: its feature names, or f"{feature}@{table}" for a feature that
+    several tables look up (TorchRec's names)."""
+    count = {}
+    for t in tables:
+        for f in t.feature_names:
+            count[f] = count.get(f, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
+
+
 class _Collection(FusedModule, torch.nn.Module):
     """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
 
@@ -124,9 +146,11 @@ class _Collection(FusedModule, torch.nn.Module):
         names = [t.name for t in tables]
         if len(set(names)) != len(names) or "" in names:
             raise ValueError(f"tables need distinct, non-empty names; got {names}")
-        feats = [f for t in tables for f in t.feature_names]
-        if len(set(feats)) != len(feats):
-            raise ValueError(f"a feature may belong to one table only; got {feats}")
+        for t in tables:
+            if not t.feature_names:
+                t.feature_names = [t.name]  # TorchRec's rule (it sets the config's field too)
+            if len(set(t.feature_names)) != len(t.feature_names):
+                raise ValueError(f"table {t.name!r} lists a feature twice: {t.feature_names}")
         dtypes = {_dtype(t.data_type) for t in tables}
         if len(dtypes) > 1:
             raise TypeError(f"the tables of one collection share one buffer and one dtype; got {dtypes}")
@@ -137,7 +161,14 @@ class _Collection(FusedModule, torch.nn.Module):
             if t.num_embeddings <= 0 or t.embedding_dim <= 0:
                 raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
         self.tables = list(tables)
-        self._table_of = {f: i for i, t in enumerate(tables) for f in t.feature_names}
+        # a feature of several tables is looked up in each; its outputs are named f"{feature}@{table}"
+        # (TorchRec's embedding names). The batch seen by the kernels has one key an output.
+        self._names_by_table = embedding_names_by_table(tables)
+        self._slots = [(f, name) for t, names in zip(tables, self._names_by_table)
+                       for f, name in zip(t.feature_names, names)]
+        self.feature_names = list(dict.fromkeys(f for f, _ in self._slots))
+        self.embedding_names = [name for _, name in self._slots]
+        self._table_of = {name: i for i, names in enumerate(self._names_by_table) for name in names}
         self._shapes = [(t.num_embeddings, t.embedding_dim) for t in tables]
         self._row_starts, self._starts = table_starts(*zip(*self._shapes))
         self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
@@ -162,6 +193,17 @@ class _Collection(FusedModule, torch.nn.Module):
 
     def embedding_weight(self, name: str) -> Tensor:
         return self.table_weights()[[t.name for t in self.tables].index(name)]
+
+    def _table_views(self) -> torch.nn.ModuleDict:
+        return torch.nn.ModuleDict({t.name: TableView(w) for t, w in zip(self.tables, self.table_weights())})
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        """Each table's output names (TorchRec's method): f"{feature}@{table}" where tables share a feature."""
+        return [list(names) for names in self._names_by_table]
 
     # --- the optimizer in the backward (flat state; the step count is FusedModule's) ---
     def set_optimizer(self, optimizer) -> None:
@@ -222,6 +264,19 @@ class _Collection(FusedModule, torch.nn.Module):
             out[self.tables[i].name].hottest.append((r, c))
         return out
 
+    def _traced(self, features) -> Optional[torch.fx.Proxy]:
+        """Under torch.fx symbolic tracing (a Proxy for the batch): the collection as one node of
+        the graph, since its lookup reads the batch's keys on the host. A submodule becomes a
+        call_module node, as a leaf module would; a traced collection alone, a call of its
+        forward. None when not traced."""
+        if not isinstance(features, torch.fx.Proxy):
+            return None
+        tracer = features.tracer
+        path = tracer.path_of_module(self)
+        if path:
+            return tracer.create_proxy("call_module", path, (features,), {})
+        return tracer.create_proxy("call_function", self.forward, (features,), {})
+
     def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch restricted to this collection's features (extra keys dropped)."""
         if kjt.variable_stride_per_key():
@@ -229,12 +284,21 @@ class _Collection(FusedModule, torch.nn.Module):
                 f"a batch whose features have different batch sizes (stride_per_key "
                 f"{kjt.stride_per_key()}; TorchRec's variable batch size) is pooled by EmbeddingBagCollection's "
                 f"forward only: give every feature {kjt.stride()} samples here")
-        missing = [f for f in self.feature_names if f not in kjt.keys()]
+        keys = kjt.keys()
+        if keys == self.embedding_names:
+            return kjt
+        missing = [f for f in self.feature_names if f not in keys]
         if missing:
-            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
-        if len(kjt.keys()) != len(self.feature_names):
-            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
-        return kjt
+            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {keys})")
+        if len(self.embedding_names) == len(self.feature_names):  # no feature shared by tables
+            return kjt if len(keys) == len(self.feature_names) else kjt.permute(
+                [keys.index(f) for f in self.feature_names])
+        return self._slot_batch(kjt.permute([keys.index(f) for f, _ in self._slots]))
+
+    def _slot_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """`kjt` (one key a slot, in slot order) with the slots' output names as its keys."""
+        return KeyedJaggedTensor(self.embedding_names, kjt.values(), kjt.weights_or_none(), lengths=kjt.lengths(),
+                                 stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
 
 
 class _Expand(torch.autograd.Function):
@@ -300,21 +364,25 @@ class EmbeddingBagCollection(_Collection):
             self.register_buffer("hot_slot", self._hot.slot, persistent=False)
             self.register_buffer("hot_keys", self._hot.keys, persistent=False)
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
-        self.feature_names = [f for t in tables for f in t.feature_names]
-        self._feature = {}  # name -> (table index, pooling, first output column)
-        self._safe = {}  # name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
+        self._feature = {}  # output name -> (table index, pooling, first output column)
+        self._safe = {}  # output name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
         col = 0
-        for i, (t, tf) in enumerate(zip(tables, tf_pooling)):
-            for f in t.feature_names:
-                self._feature[f] = (i, tf or _pooling(t.pooling), col)
+        for i, (t, tf, names) in enumerate(zip(tables, tf_pooling, self._names_by_table)):
+            for name in names:
+                self._feature[name] = (i, tf or _pooling(t.pooling), col)
                 col += t.embedding_dim
                 if tf is not None:
-                    self._safe[f] = safe_rule(t.combiner, is_weighted, t.default_id)
-        self._dims = [self.tables[self._feature[f][0]].embedding_dim for f in self.feature_names]
+                    self._safe[name] = safe_rule(t.combiner, is_weighted, t.default_id)
+        self._dims = [self.tables[self._feature[e][0]].embedding_dim for e in self.embedding_names]
+
+    embedding_bags = property(_Collection._table_views, doc="table name -> TableView (TorchRec's ModuleDict)")
 
     def is_weighted(self) -> bool:
         """Whether the batch's weights scale the pooled rows (TorchRec's method)."""
         return self._is_weighted
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self.tables
 
     def _plan(self, keys: list[str], device) -> Plan:
         key = (tuple(keys), device)
@@ -344,6 +412,9 @@ class EmbeddingBagCollection(_Collection):
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        traced = self._traced(features)
+        if traced is not None:
+            return traced
         rows = None
         if features.variable_stride_per_key():  # TorchRec's variable batch size per feature
             features, rows = self._one_stride(features)
@@ -361,7 +432,7 @@ class EmbeddingBagCollection(_Collection):
                 out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B, status)
         if rows is not None:
             out = _Expand.apply(out, rows, self._dims)
-        return KeyedTensor(self.feature_names, self._dims, out)
+        return KeyedTensor(self.embedding_names, self._dims, out)
 
     def _one_stride(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor]:
         """A batch whose features have their own batch sizes (stride_per_key) as one of the
@@ -375,14 +446,14 @@ class EmbeddingBagCollection(_Collection):
         missing = [f for f in self.feature_names if f not in kjt.keys() or f not in keys]
         if missing:
             raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
-        kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        kjt = kjt.permute([kjt.keys().index(f) for f, _ in self._slots])
         strides, dev = kjt.stride_per_key(), kjt.values().device
         B = max(strides)
         at = torch.cat([torch.arange(f * B, f * B + s, device=dev) for f, s in enumerate(strides)])
         lengths = torch.zeros(len(strides) * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
-        padded = KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
-                                   length_per_key=kjt.length_per_key())
-        return padded, torch.stack([index[keys.index(f)] for f in self.feature_names]).long()
+        padded = KeyedJaggedTensor(self.embedding_names, kjt.values(), kjt.weights_or_none(), lengths=lengths,
+                                   stride=B, length_per_key=kjt.length_per_key())
+        return padded, torch.stack([index[keys.index(f)] for f, _ in self._slots]).long()
 
     @property
     def l2_residency(self) -> Optional[ResidencyReport]:
@@ -418,7 +489,7 @@ class EmbeddingBagCollection(_Collection):
                 or self.weights.dtype == torch.float64):
             x = self(features).values()
             return layer_norm_act(x.view(x.shape[0], -1, max(dims)), weight, bias, eps, activation).flatten(1)
-        F = len(self.feature_names)
+        F = len(self.embedding_names)
         for name, t in (("weight", weight), ("bias", bias)):
             if t is not None and (tuple(t.shape) != (F, D) or t.device != self.weights.device):
                 raise ValueError(f"{name} must be ({F}, {D}) on {self.weights.device}, got "
@@ -438,14 +509,27 @@ class EmbeddingCollection(_Collection):
 
     _prefix = "embeddings"
 
-    def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None,
+    def __init__(self, tables: list[EmbeddingConfig], device=None, need_indices: bool = False, optimizer=None,
                  bounds_check: str = DEFAULT_BOUNDS_CHECK):
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:
             raise ValueError(f"the tables of an EmbeddingCollection share one embedding_dim; got {sorted(dims)}")
         super().__init__(tables, device, optimizer, bounds_check)
-        self.embedding_dim = dims.pop()
-        self.feature_names = [f for t in tables for f in t.feature_names]
+        self._embedding_dim = dims.pop()
+        self._need_indices = need_indices
+
+    embeddings = property(_Collection._table_views, doc="table name -> TableView (TorchRec's ModuleDict)")
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self.tables
+
+    def embedding_dim(self) -> int:
+        """The width every table shares (TorchRec's method)."""
+        return self._embedding_dim
+
+    def need_indices(self) -> bool:
+        """Whether each output JaggedTensor carries its ids as its weights (TorchRec's)."""
+        return self._need_indices
 
     def _plan(self, keys: list[str], device) -> Plan:
         key = (tuple(keys), device)
@@ -462,6 +546,9 @@ class EmbeddingCollection(_Collection):
                 self.register_buffer(f"optimizer_{name}", getattr(self, f"optimizer_{name}").view(-1, dim))
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        traced = self._traced(features)
+        if traced is not None:
+            return traced
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
@@ -478,11 +565,12 @@ class EmbeddingCollection(_Collection):
         if status is not None:
             bag = guard(bag, status, 0)
         rows = plan.meta[:, ROW_START][bag // max(B, 1)] + values.long()
-        table = self.weights.view(-1, self.embedding_dim)
+        table = self.weights.view(-1, self._embedding_dim)
         if fused is not None:
             out = fused_embedding(fused, rows, table, bounds_check="off", check=check)
         else:
             out = lookup_rows(table, rows, status)
         counts = kjt.length_per_key() if values is kjt.values() else lengths.reshape(len(keys), B).sum(1).tolist()
-        return {k: JaggedTensor(v, lengths=lengths[i * B:(i + 1) * B])
+        ids = torch.split(values, counts) if self._need_indices else [None] * len(keys)
+        return {k: JaggedTensor(v, ids[i], lengths=lengths[i * B:(i + 1) * B])
                 for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}

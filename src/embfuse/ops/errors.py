@@ -22,6 +22,11 @@ class BadDtypeError(TypeError, RuntimeError):
     """A tensor of the wrong dtype. A TypeError, and a RuntimeError as torch raises for it."""
 
 
+class BadCountsError(BadDtypeError, AssertionError):
+    """Lengths or offsets that are not integers: a TypeError here, and the AssertionError
+    TorchRec's jagged tensors raise."""
+
+
 class BadArgumentError(ValueError, RuntimeError):
     """An argument torch refuses with a RuntimeError (a shape, a padding_idx out of range): a
     ValueError here, and a RuntimeError too."""

@@ -13,7 +13,11 @@ import itertools
 from typing import Optional, Sequence
 
 import torch
+import torch.fx._pytree
+import torch.utils._pytree
 from torch import Tensor
+
+from embfuse.ops.errors import BadCountsError
 
 
 def _offsets_of(lengths: Tensor) -> Tensor:
@@ -22,8 +26,10 @@ def _offsets_of(lengths: Tensor) -> Tensor:
     return out
 
 
-class _Jagged:
-    """values / weights / lengths / offsets (made from the lengths on first use)."""
+class _Jagged(metaclass=torch.fx.ProxyableClassMeta):
+    """values / weights / lengths / offsets (made from the lengths on first use). torch.fx traces
+    through these classes as TorchRec's: one made from traced values is one node, and
+    KeyedJaggedTensor.concat of traced batches one call (torch.fx.wrap)."""
 
     _values: Tensor
     _weights: Optional[Tensor]
@@ -38,16 +44,21 @@ class _Jagged:
             if values.dim() < 1 or values.shape[0]:
                 raise ValueError(f"a {kind} needs lengths or offsets")
             lengths = torch.empty(0, dtype=torch.int32, device=values.device)  # no values, no bags (TorchRec's)
+        counts = []
         for name, t in (("lengths", lengths), ("offsets", offsets)):
             if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-                raise TypeError(f"{kind}: {name} must be integers, got {t.dtype}")
+                if t.numel():
+                    raise BadCountsError(f"{kind}: {name} must be integers, got {t.dtype}")
+                t = t.new_empty(0, dtype=torch.int32)  # (torch.tensor([]) is float; TorchRec takes it)
             if t is not None and t.dim() != 1:
-                raise ValueError(f"{kind}: {name} must be 1-D, got shape {tuple(t.shape)}")
+                if t.numel():
+                    raise ValueError(f"{kind}: {name} must be 1-D, got shape {tuple(t.shape)}")
+                t = t.reshape(0)
+            counts.append(t)
+        lengths, offsets = counts
         if values.dim() < 1:
             raise ValueError(f"{kind}: values must have a first dimension (one entry a value), got a scalar")
-        if weights is not None:
-            if not weights.is_floating_point():
-                raise TypeError(f"{kind}: weights must be floating point, got {weights.dtype}")
+        if weights is not None:  # (any dtype, as TorchRec's: a lookup checks for floats where it pools)
             if weights.shape[:1] != values.shape[:1]:
                 raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
                                  f"{tuple(values.shape)} (one weight a value, or a row a row of values)")
@@ -171,7 +182,7 @@ class JaggedTensor(_Jagged):
     def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> "JaggedTensor":
         """TorchRec's: sample b's list is the first lengths[b] entries of values[b] (B, N, ...)."""
         keep = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
-        return JaggedTensor(values[keep], None if weights is None else weights[keep], lengths=lengths)
+        return JaggedTensor(values[keep], _kept(weights, keep), lengths=lengths)
 
     @staticmethod
     def from_dense(values: Sequence[Tensor], weights: Optional[Sequence[Tensor]] = None) -> "JaggedTensor":
@@ -251,10 +262,14 @@ class KeyedJaggedTensor(_Jagged):
         return self._values.device
 
     def length_per_key(self) -> list[int]:
-        """Number of values of each key (one host read the first time, if on a GPU)."""
+        """Number of values of each key (one host read the first time, if on a GPU). On the meta
+        device, which holds no lengths, the values split as evenly as they go (TorchRec's rule)."""
         if self._length_per_key is None:
             F = len(self._keys)
-            if not self.variable_stride_per_key():
+            if F and self._values.is_meta:
+                n = self._values.shape[0]
+                self._length_per_key = [n // F + (f == 0) * (n % F) for f in range(F)]
+            elif not self.variable_stride_per_key():
                 self._length_per_key = self._lengths.reshape(F, self._stride).sum(1).tolist() if F else []
             else:
                 ends = torch.cat([self._lengths.new_zeros(1, dtype=torch.int64), self._lengths.long().cumsum(0)])
@@ -359,9 +374,11 @@ class KeyedJaggedTensor(_Jagged):
             yield key, slice(at[i], at[i + 1]), slice(opk[i], opk[i] + lpk[i])
 
     def _per_key(self) -> list[JaggedTensor]:
-        """Each key's JaggedTensor, by position (keys may repeat)."""
+        """Each key's JaggedTensor, by position (keys may repeat). A key without samples has no
+        offsets either, as JaggedTensor.empty (TorchRec's)."""
         return [JaggedTensor(self._values[vs], None if self._weights is None else self._weights[vs],
-                             lengths=self._lengths[ls]) for _, ls, vs in self._key_slices()]
+                             lengths=self._lengths[ls], offsets=None if ls.stop > ls.start else self._lengths[ls])
+                for _, ls, vs in self._key_slices()]
 
     def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
         """key -> JaggedTensor (a repeated key: its last occurrence, as TorchRec's), each with its
@@ -412,20 +429,7 @@ class KeyedJaggedTensor(_Jagged):
     def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
         """Keys of every KJT in order (same stride, keys distinct; with a variable batch size per
         key, each key keeps its own)."""
-        variable = any(k.variable_stride_per_key() for k in kjts)
-        if not variable and len({k.stride() for k in kjts}) > 1:
-            raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
-        weighted = {k.weights_or_none() is not None for k in kjts}
-        if len(weighted) > 1:
-            raise ValueError("either every KJT has weights or none has")
-        return KeyedJaggedTensor(
-            [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
-            torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
-            lengths=torch.cat([k.lengths() for k in kjts]), stride=None if variable else kjts[0].stride(),
-            length_per_key=[n for k in kjts for n in k.length_per_key()],
-            stride_per_key_per_rank=[r for k in kjts for r in (k.stride_per_key_per_rank()
-                                                              or [[s] for s in k.stride_per_key()])]
-            if variable else None)
+        return _concat(kjts)
 
     def _check_total(self, total: int) -> None:
         """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
@@ -487,8 +491,6 @@ class KeyedJaggedTensor(_Jagged):
     # --- checks and TorchRec interop ---
     def validate(self) -> "KeyedJaggedTensor":
         """Raise if lengths are negative or do not add up to the values (one host read)."""
-        if self._lengths.is_floating_point():
-            raise TypeError(f"lengths must be integers, got {self._lengths.dtype}")
         if self._weights is not None and self._weights.shape != self._values.shape[:1]:
             raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
                              f"{tuple(self._values.shape)}")
@@ -532,3 +534,64 @@ class KeyedJaggedTensor(_Jagged):
             body = _samples(jt, "        ")
             parts.append(f'    "{key}": ' + (f"{{\n{body}\n    }}" if jt.weights_or_none() is not None else body.strip()))
         return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
+
+
+def _concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    variable = any(k.variable_stride_per_key() for k in kjts)
+    if not variable and len({k.stride() for k in kjts}) > 1:
+        raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
+    weighted = {k.weights_or_none() is not None for k in kjts}
+    if len(weighted) > 1:
+        raise ValueError("either every KJT has weights or none has")
+    return KeyedJaggedTensor(
+        [key for k in kjts for key in k.keys()], torch.cat([k.values() for k in kjts]),
+        torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+        lengths=torch.cat([k.lengths() for k in kjts]), stride=None if variable else kjts[0].stride(),
+        length_per_key=[n for k in kjts for n in k.length_per_key()],
+        stride_per_key_per_rank=[r for k in kjts for r in (k.stride_per_key_per_rank()
+                                                          or [[s] for s in k.stride_per_key()])]
+        if variable else None)
+
+
+torch.fx.wrap("_concat")
+
+
+def _kept(t: Optional[Tensor], keep: Tensor) -> Optional[Tensor]:
+    """t[keep], or None without t (one call when traced: the weights may be None)."""
+    return None if t is None else t[keep]
+
+
+torch.fx.wrap("_kept")
+
+
+# pytree: torch.export and torch.compile take and return these (tensors the leaves, keys and
+# per-key counts the spec)
+def _jt_flatten(jt: JaggedTensor):
+    return [jt.values(), jt.weights_or_none(), jt.lengths(), jt.offsets_or_none()], None
+
+
+def _jt_unflatten(leaves, context) -> JaggedTensor:
+    values, weights, lengths, offsets = leaves
+    return JaggedTensor(values, weights, lengths=lengths, offsets=offsets)
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor):
+    inverse = kjt.inverse_indices_or_none()
+    leaves = [kjt.values(), kjt.weights_or_none(), kjt.lengths(), kjt.offsets_or_none(),
+              None if inverse is None else inverse[1]]
+    return leaves, (kjt.keys(), kjt.stride(), kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+                    None if inverse is None else inverse[0])
+
+
+def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
+    values, weights, lengths, offsets, inverse = leaves
+    keys, stride, spkpr, inverse_keys = context
+    return KeyedJaggedTensor(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
+                             stride_per_key_per_rank=spkpr,
+                             inverse_indices=None if inverse_keys is None else (inverse_keys, inverse))
+
+
+for _cls, _flat, _unflat in ((JaggedTensor, _jt_flatten, _jt_unflatten),
+                             (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten)):
+    torch.utils._pytree.register_pytree_node(_cls, _flat, _unflat, serialized_type_name=f"embfuse.{_cls.__name__}")
+    torch.fx._pytree.register_pytree_flatten_spec(_cls, lambda t, spec, _flat=_flat: _flat(t)[0])

@@ -1,5 +1,7 @@
 """KeyedTensor: the pooled outputs of several features side by side (TorchRec's), with its
-regroup functions."""
+regroup functions. torch.fx traces through all of it as TorchRec's does: a KeyedTensor made
+from traced values is one node (ProxyableClassMeta), and regroup / regroup_as_dict of traced
+KeyedTensors one call each (torch.fx.wrap)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import itertools
 from typing import Sequence
 
 import torch
+import torch.fx._pytree
+import torch.utils._pytree
 from torch import Tensor
 
 
-class KeyedTensor:
+class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):
     """Pooled outputs of several features side by side: values (B, sum of widths)."""
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1):
@@ -56,30 +60,13 @@ class KeyedTensor:
     def regroup(keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]]) -> list[Tensor]:
         """TorchRec's: for each group of keys, those keys' columns (from whichever KeyedTensor holds
         them; all share their other dimensions) concatenated in the group's order."""
-        if not keyed_tensors:
-            raise ValueError("regroup needs at least one KeyedTensor")
-        dim = keyed_tensors[0].key_dim()
-        where = {}
-        for kt in keyed_tensors:
-            if kt.key_dim() != dim:
-                raise ValueError(f"KeyedTensors of key_dim {dim} and {kt.key_dim()} cannot be regrouped together")
-            for key, part in kt.to_dict().items():
-                where.setdefault(key, part)  # the first KeyedTensor holding a key gives it
-        out = []
-        for group in groups:
-            missing = [k for k in group if k not in where]
-            if missing:
-                raise KeyError(f"no KeyedTensor holds key {missing[0]!r}")
-            out.append(torch.cat([where[k] for k in group], dim=dim))
-        return out
+        return _regroup(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]],
                         keys: Sequence[str]) -> dict[str, Tensor]:
         """`regroup`, each group named by keys[i]."""
-        if len(groups) != len(keys):
-            raise ValueError(f"{len(groups)} groups but {len(keys)} names")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+        return _regroup_as_dict(keyed_tensors, groups, keys)
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
@@ -90,3 +77,56 @@ class KeyedTensor:
             return "KeyedTensor()\n"
         blocks = ",\n".join(f'    "{k}": {v.tolist()}' for k, v in self.to_dict().items())
         return f"KeyedTensor({{\n{blocks}\n}})\n"
+
+
+def _regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+    if not keyed_tensors:
+        raise ValueError("regroup needs at least one KeyedTensor")
+    dim = keyed_tensors[0].key_dim()
+    where = {}
+    for kt in keyed_tensors:
+        if kt.key_dim() != dim:
+            raise ValueError(f"KeyedTensors of key_dim {dim} and {kt.key_dim()} cannot be regrouped together")
+        for key, part in kt.to_dict().items():
+            where.setdefault(key, part)  # the first KeyedTensor holding a key gives it
+    out = []
+    for group in groups:
+        missing = [k for k in group if k not in where]
+        if missing:
+            raise KeyError(f"no KeyedTensor holds key {missing[0]!r}")
+        out.append(torch.cat([where[k] for k in group], dim=dim))
+    return out
+
+
+def _regroup_as_dict(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]],
+                     keys: Sequence[str]) -> dict[str, Tensor]:
+    if len(groups) != len(keys):
+        raise ValueError(f"{len(groups)} groups but {len(keys)} names")
+    return dict(zip(keys, _regroup(keyed_tensors, groups)))
+
+
+torch.fx.wrap("_regroup")
+torch.fx.wrap("_regroup_as_dict")
+
+
+# pytree: torch.export and torch.compile take and return KeyedTensors (TorchRec's layout of
+# them: the values a leaf; keys and widths the spec)
+def _flatten(kt: KeyedTensor):
+    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _unflatten(values, context) -> KeyedTensor:
+    keys, lengths, key_dim = context
+    return KeyedTensor(keys, lengths, values[0], key_dim)
+
+
+def _flatten_spec(kt: KeyedTensor, spec) -> list[Tensor]:
+    """The values in the spec's key order (an exported program's input whose keys come in
+    another order)."""
+    keys = spec.context[0]
+    return [kt.values() if kt.keys() == keys else _regroup([kt], [keys])[0]]
+
+
+torch.utils._pytree.register_pytree_node(KeyedTensor, _flatten, _unflatten,
+                                         serialized_type_name="embfuse.KeyedTensor")
+torch.fx._pytree.register_pytree_flatten_spec(KeyedTensor, _flatten_spec)

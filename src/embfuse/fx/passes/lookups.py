@@ -133,7 +133,7 @@ class EmbeddingBatch(_Batch):
         kjt = KeyedJaggedTensor(self.names, values, offsets=offsets, stride=1,
                                 length_per_key=[b - a for a, b in zip(bases, bases[1:])])
         rows = self.collection(kjt)
-        D = self.collection.embedding_dim
+        D = self.collection.embedding_dim()
         return tuple(rows[n].values().view(*i.shape, D) for n, i in zip(self.names, ids))
 
 

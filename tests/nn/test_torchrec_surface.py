@@ -1,0 +1,135 @@
+"""The collections' TorchRec surface: features shared by tables, EmbeddingCollection's
+need_indices, the per-table views, the meta device and torch.fx tracing."""
+
+import pytest
+import torch
+
+import embfuse
+from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from embfuse import KeyedJaggedTensor
+from embfuse.optim import SGD
+from tests.conftest import DEVICES
+
+
+def shared_tables(dtype=torch.float64):
+    # f1 is looked up by both tables (TorchRec names its outputs f1@t1 and f1@t2)
+    return [EmbeddingBagConfig(10, 3, "t1", dtype, ["f1", "f3"]),
+            EmbeddingBagConfig(12, 4, "t2", dtype, ["f2", "f1"], pooling="mean")]
+
+
+def batch(device):
+    keys, B = ["f3", "f1", "f2"], 4  # not the collection's order
+    lengths = torch.tensor([1, 0, 2, 3, 2, 2, 0, 1, 3, 1, 1, 0])
+    values = torch.randint(0, 10, (int(lengths.sum()),))
+    return KeyedJaggedTensor(keys, values, lengths=lengths, stride=B).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", [None, SGD(lr=0.5)], ids=["grad", "sgd"])
+def test_a_feature_shared_by_two_tables_is_looked_up_in_each(device, rule):
+    ebc = EmbeddingBagCollection(shared_tables(), device=device, optimizer=rule)
+    assert ebc.embedding_names_by_table() == [["f1@t1", "f3"], ["f2", "f1@t2"]]
+    kjt = batch(device)
+    before = [w.detach().clone().requires_grad_() for w in ebc.table_weights()]
+    d, want = kjt.to_dict(), []
+    for t, w in zip(ebc.tables, before):
+        for f in t.feature_names:
+            want.append(embfuse.embedding_bag(d[f].values(), w, d[f].offsets(), mode=t.pooling,
+                                              include_last_offset=True))
+    want = torch.cat(want, 1)
+    out = ebc(kjt)
+    assert out.keys() == ["f1@t1", "f3", "f2", "f1@t2"] and out.length_per_key() == [3, 3, 4, 4]
+    torch.testing.assert_close(out.values(), want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    out.values().backward(g)
+    want.backward(g)
+    if rule is None:
+        for g1, w0 in zip(torch.split(ebc.weights.grad, [r * d for r, d in ebc._shapes]), before):
+            torch.testing.assert_close(g1.view(w0.shape), w0.grad, rtol=1e-12, atol=1e-12)
+    else:
+        for w1, w0 in zip(ebc.table_weights(), before):
+            torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_configs_follow_torchrecs_rules():
+    t = EmbeddingBagConfig(10, 3, "lonely")
+    ebc = EmbeddingBagCollection([t])
+    assert t.feature_names == ["lonely"] and ebc.embedding_bag_configs() == [t]  # TorchRec's default feature
+    with pytest.raises(ValueError, match="lists a feature twice"):
+        EmbeddingBagCollection([EmbeddingBagConfig(10, 3, "t", feature_names=["a", "a"])])
+    with pytest.raises(ValueError, match="distinct, non-empty names"):
+        EmbeddingBagCollection([EmbeddingBagConfig(10, 3, "t", feature_names=["a"]),
+                                EmbeddingBagConfig(10, 3, "t", feature_names=["b"])])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_table_views_are_the_flat_buffer(device):
+    ebc = EmbeddingBagCollection(shared_tables(torch.float32), device=device)
+    views = ebc.embedding_bags
+    assert list(views) == ["t1", "t2"] and ebc.device == ebc.weights.device
+    assert views["t2"].num_embeddings == 12 and views["t2"].embedding_dim == 4
+    with torch.no_grad():
+        views["t2"].weight[5] = 7.0  # TorchRec code initialises tables this way
+    assert (ebc.embedding_weight("t2")[5] == 7.0).all()
+    assert [k for k, _ in ebc.named_parameters()] == ["weights"]  # the views add no parameters
+    ec = EmbeddingCollection([EmbeddingConfig(10, 5, "t", feature_names=["f"])], device=device)
+    assert ec.embeddings["t"].weight.shape == (10, 5) and ec.embedding_configs()[0].name == "t"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_collection_shares_features_and_returns_indices(device):
+    ec = EmbeddingCollection([EmbeddingConfig(10, 5, "t1", torch.float64, ["f1", "f2"]),
+                              EmbeddingConfig(10, 5, "t2", torch.float64, ["f2"])], device=device, need_indices=True)
+    assert ec.need_indices() and ec.embedding_dim() == 5
+    kjt = KeyedJaggedTensor(["f1", "f2"], torch.tensor([0, 1, 2, 3]), offsets=torch.tensor([0, 2, 3, 3, 4])).to(device)
+    out = ec(kjt)
+    assert list(out) == ["f1", "f2@t1", "f2@t2"]
+    t1, t2 = ec.embedding_weight("t1"), ec.embedding_weight("t2")
+    torch.testing.assert_close(out["f1"].values(), t1[[0, 1, 2]])
+    torch.testing.assert_close(out["f2@t1"].values(), t1[[3]])
+    torch.testing.assert_close(out["f2@t2"].values(), t2[[3]])
+    assert out["f1"].weights().tolist() == [0, 1, 2] and out["f2@t2"].weights().tolist() == [3]
+    assert out["f1"].lengths().tolist() == [2, 1] and out["f2@t2"].lengths().tolist() == [0, 1]
+
+
+def test_collections_run_on_the_meta_device():
+    """TorchRec builds models on the meta device: shapes without data, nothing to check."""
+    with torch.device("meta"):
+        ebc = EmbeddingBagCollection(shared_tables(torch.float32), is_weighted=True)
+        kjt = KeyedJaggedTensor(["f1", "f2", "f3"], torch.zeros(12, dtype=torch.int64), torch.zeros(12),
+                                offsets=torch.arange(0, 13, 2))
+    assert ebc.device.type == "meta" and ebc.embedding_bags["t1"].weight.is_meta
+    assert kjt.length_per_key() == [4, 4, 4]  # the values split evenly (TorchRec's rule): no data to sum
+    out = ebc(kjt)
+    assert out.values().is_meta and out.values().shape == (2, 14)
+
+
+@pytest.mark.parametrize("cls", ["bag", "sequence"])
+def test_fx_traces_a_model_around_a_collection(cls):
+    """torch.fx.symbolic_trace: a collection is one node (call_module inside a model, a call of
+    its forward when traced alone), the rest of the model traced as usual."""
+    if cls == "bag":
+        coll = EmbeddingBagCollection(shared_tables(torch.float32))
+    else:
+        coll = EmbeddingCollection([EmbeddingConfig(10, 3, "t1", feature_names=["f1", "f3"]),
+                                    EmbeddingConfig(12, 3, "t2", feature_names=["f2", "f1"])])
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.coll, self.out = coll, torch.nn.Linear(3, 1)
+
+        def forward(self, kjt):
+            got = self.coll(kjt)
+            return self.out(got["f1@t1"] if cls == "bag" else got["f1@t2"].values())
+
+    model, kjt = Model(), batch("cpu")
+    gm = torch.fx.symbolic_trace(model)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["coll", "out"]
+    torch.testing.assert_close(gm(kjt), model(kjt))
+    alone = torch.fx.symbolic_trace(coll)
+    got, want = alone(kjt), coll(kjt)
+    if cls == "bag":
+        torch.testing.assert_close(got.values(), want.values())
+    else:
+        assert list(got) == list(want) and all(torch.equal(got[k].values(), want[k].values()) for k in want)

@@ -1,0 +1,98 @@
+"""The jagged classes under torch.fx and pytree (torch.export / torch.compile inputs and outputs),
+and TorchRec's rules for empty and meta batches."""
+
+import pytest
+import torch
+import torch.fx
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+
+from embfuse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+def test_a_container_made_from_traced_values_is_one_node():
+    class Make(torch.nn.Module):
+        def forward(self, values, lengths):
+            jt = JaggedTensor(values, lengths=lengths)
+            kjt = KeyedJaggedTensor(["a", "b"], values, lengths=lengths)
+            return jt, kjt
+
+    gm = torch.fx.symbolic_trace(Make())
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls == [JaggedTensor, KeyedJaggedTensor]
+    jt, kjt = gm(torch.arange(5), torch.tensor([2, 0, 1, 2]))
+    assert jt.offsets().tolist() == [0, 2, 2, 3, 5] and kjt["b"].values().tolist() == [2, 3, 4]
+
+
+def test_a_container_made_from_constants_is_folded():
+    class Count(torch.nn.Module):
+        def forward(self, x):
+            kjt = KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]))
+            return x + kjt.values().numel() + kjt.lengths().numel()
+
+    gm = torch.fx.symbolic_trace(Count())
+    assert "KeyedJaggedTensor" not in gm.code and gm(torch.zeros(1)).item() == 5
+
+
+def test_static_helpers_of_traced_containers_are_one_call():
+    class Concat(torch.nn.Module):
+        def forward(self, kjts):
+            return KeyedJaggedTensor.concat(kjts)
+
+    class Regroup(torch.nn.Module):
+        def forward(self, kts, groups):
+            return KeyedTensor.regroup(kts, groups), KeyedTensor.regroup_as_dict(kts, groups, ["x", "y"])
+
+    a = KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]))
+    b = KeyedJaggedTensor(["b"], torch.arange(3, 4), lengths=torch.tensor([0, 1]))
+    got = torch.fx.symbolic_trace(Concat())([a, b])
+    assert got.keys() == ["a", "b"] and got.values().tolist() == [0, 1, 2, 3]
+    kt1 = KeyedTensor.from_tensor_list(["p", "q"], [torch.rand(2, 1), torch.rand(2, 2)])
+    kt2 = KeyedTensor.from_tensor_list(["r"], [torch.rand(2, 3)])
+    groups = [["r", "p"], ["q"]]
+    gm = torch.fx.symbolic_trace(Regroup())
+    assert sum(n.op == "call_function" for n in gm.graph.nodes) == 2
+    (lists, named), (want, _) = gm([kt1, kt2], groups), Regroup()([kt1, kt2], groups)
+    assert all(torch.equal(x, y) for x, y in zip(lists, want)) and torch.equal(named["y"], want[1])
+
+
+def test_from_dense_lengths_traces_with_or_without_weights():
+    values, lengths = torch.arange(12.0).reshape(3, 4), torch.tensor([2, 0, 3])
+    traced = torch.fx.symbolic_trace(JaggedTensor.from_dense_lengths)
+    jt = traced(values=values, lengths=lengths)
+    assert jt.values().tolist() == [0.0, 1.0, 8.0, 9.0, 10.0] and jt.weights_or_none() is None
+    assert traced(values=values, lengths=lengths, weights=-values).weights().tolist() == [-0.0, -1, -8, -9, -10]
+
+
+def test_pytree_round_trips():
+    kt = KeyedTensor(["a", "b"], [1, 2], torch.rand(3, 3))
+    leaves, spec = pytree.tree_flatten(kt)
+    assert len(leaves) == 1 and leaves[0] is kt.values()
+    back = pytree.tree_unflatten(leaves, spec)
+    assert back.keys() == ["a", "b"] and back.length_per_key() == [1, 2]
+    swapped = KeyedTensor(["b", "a"], [2, 1], torch.cat([kt["b"], kt["a"]], 1))
+    assert torch.equal(fx_pytree.tree_flatten_spec(swapped, spec)[0], kt.values())  # in the spec's key order
+
+    vbe = KeyedJaggedTensor(["a", "b"], torch.arange(5), torch.rand(5), lengths=torch.tensor([2, 0, 1, 1, 1]),
+                            stride_per_key_per_rank=[[2], [3]], inverse_indices=(["a", "b"], torch.tensor(
+                                [[0, 1, 0], [2, 1, 0]])))
+    leaves, spec = pytree.tree_flatten(vbe)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert back.keys() == vbe.keys() and back.stride_per_key() == [2, 3] and back.stride() == 3
+    assert torch.equal(back.inverse_indices()[1], vbe.inverse_indices()[1])
+    assert torch.equal(back.weights(), vbe.weights())
+    jt = JaggedTensor(torch.arange(3), offsets=torch.tensor([0, 1, 3]))
+    back = pytree.tree_unflatten(*pytree.tree_flatten(jt))
+    assert back.lengths().tolist() == [1, 2] and back.offsets().tolist() == [0, 1, 3]
+
+
+def test_empty_counts_of_any_dtype_are_taken_and_other_float_counts_refused():
+    """torch.tensor([]) is float32: TorchRec takes it as no lengths; float lengths with entries
+    are refused with an error that is both embfuse's TypeError and TorchRec's AssertionError."""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([]), lengths=torch.tensor([[], []]), length_per_key=[0, 0])
+    a = kjt.to_dict()["a"]
+    assert kjt.stride() == 0 and a.lengths().dtype == torch.int32 and a.lengths().numel() == a.offsets().numel() == 0
+    for lengths in (torch.tensor([1.0, 2.0]), torch.tensor([1, 2], dtype=torch.bool)):
+        with pytest.raises(TypeError, match="lengths must be integers") as e:
+            JaggedTensor(torch.arange(3), lengths=lengths)
+        assert isinstance(e.value, AssertionError)
