@@ -1,6 +1,8 @@
 """The jagged classes under torch.fx and pytree (torch.export / torch.compile inputs and outputs),
 and TorchRec's rules for empty and meta batches."""
 
+import logging
+
 import pytest
 import torch
 import torch.fx
@@ -22,6 +24,23 @@ def test_a_container_made_from_traced_values_is_one_node():
     assert calls == [JaggedTensor, KeyedJaggedTensor]
     jt, kjt = gm(torch.arange(5), torch.tensor([2, 0, 1, 2]))
     assert jt.offsets().tolist() == [0, 2, 2, 3, 5] and kjt["b"].values().tolist() == [2, 3, 4]
+
+
+def test_making_containers_outside_tracing_logs_nothing():
+    """torch's ProxyableClassMeta logs a warning the first time any program asks whether fx
+    traces; the containers ask only while it does."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger(torch.fx._symbolic_trace.__name__)
+    log.addHandler(handler)
+    try:
+        torch.fx._symbolic_trace.is_fx_tracing_warning.cache_clear()
+        KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2]))
+        KeyedTensor(["a"], [1], torch.zeros(2, 1))
+    finally:
+        log.removeHandler(handler)
+    assert records == []
 
 
 def test_a_container_made_from_constants_is_folded():

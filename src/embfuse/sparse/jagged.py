@@ -18,6 +18,7 @@ import torch.utils._pytree
 from torch import Tensor
 
 from embfuse.ops.errors import BadCountsError
+from embfuse.sparse.tracing import Traceable
 
 
 def _offsets_of(lengths: Tensor) -> Tensor:
@@ -26,7 +27,7 @@ def _offsets_of(lengths: Tensor) -> Tensor:
     return out
 
 
-class _Jagged(metaclass=torch.fx.ProxyableClassMeta):
+class _Jagged(metaclass=Traceable):
     """values / weights / lengths / offsets (made from the lengths on first use). torch.fx traces
     through these classes as TorchRec's: one made from traced values is one node, and
     KeyedJaggedTensor.concat of traced batches one call (torch.fx.wrap)."""

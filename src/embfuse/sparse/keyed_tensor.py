@@ -13,8 +13,10 @@ import torch.fx._pytree
 import torch.utils._pytree
 from torch import Tensor
 
+from embfuse.sparse.tracing import Traceable
 
-class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):
+
+class KeyedTensor(metaclass=Traceable):
     """Pooled outputs of several features side by side: values (B, sum of widths)."""
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1):
