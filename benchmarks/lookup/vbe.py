@@ -59,4 +59,10 @@ for name, kjt in (("fixed", fixed), ("VBE", vbe)):
     step = [do_bench(lambda: train(kjt).values().backward(grad), warmup=10, rep=100, return_mode="median") * 1e3
             for _ in range(2)]
     print(f"{name}: forward {fwd[0]:.1f} / {fwd[1]:.1f} us, step {step[0]:.1f} / {step[1]:.1f} us", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            train(kjt).values().backward(grad)
+        torch.cuda.synchronize()
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+    print("  step's kernels (us a step): " + "; ".join(f"{e.key[:40]} {e.device_time_total / 5:.0f}" for e in top))
 embfuse.check_errors()

@@ -89,9 +89,14 @@ def test_default_forward_and_fused_step_never_synchronise():
     kjt = _kjt(dev)
     ids = torch.randint(0, 40, (16, 4), device=dev)
     flat, offsets = ids.reshape(-1), torch.arange(0, 65, 4, device=dev)
+    # a variable batch per feature, as a loader's .to() gives it (per-key counts known)
+    vbe = embfuse.KeyedJaggedTensor(["uid", "iid"], kjt.values()[:7], lengths=kjt.lengths()[:5], length_per_key=[6, 1],
+                                    stride_per_key_per_rank=[[3], [2]],
+                                    inverse_indices=(["uid", "iid"], torch.tensor([[0, 1, 2], [1, 1, 0]], device=dev)))
 
     def step():
         ebc(kjt).values().square().sum().backward()
+        ebc(vbe).values().square().sum().backward()
         bag(ids).sum().backward()
         embfuse.embedding_bag(flat, w, offsets, mode="sum").sum().backward()
         with torch.no_grad():

@@ -10,6 +10,7 @@ optimizer state is flat (`optimizer_<name>`, per element or per global row) with
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -301,26 +302,48 @@ class _Collection(FusedModule, torch.nn.Module):
                                  stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
 
 
+def _runs(dims: list[int]) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive features of one width: (first feature, count, first column, width)."""
+    runs, col = [], 0
+    for f, d in enumerate(dims):
+        if runs and runs[-1][3] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1, col, d])
+        col += d
+    return [tuple(r) for r in runs]
+
+
 class _Expand(torch.autograd.Function):
-    """out[b, feature f's columns] = pooled[rows[f, b], those columns]: a variable-batch lookup's
-    pooled rows handed to the output samples that share them. The backward adds the gradients
-    of the samples sharing a row deterministically: index_put(accumulate=True) sorts on CUDA,
+    """out[b, feature f's columns] = pooled[rows[b, f], those columns]: a variable-batch lookup's
+    pooled rows handed to the output samples that share them, one gather a run of features of
+    one width (one for the whole output when all share it). The backward adds the gradients of
+    the samples sharing a row deterministically: index_put(accumulate=True) sorts on CUDA,
     index_add runs in order on the CPU (torch's deterministic-algorithms notes: each op's other
     device is the nondeterministic one)."""
 
     @staticmethod
     def forward(ctx, pooled, rows, dims):
         ctx.save_for_backward(rows)
-        ctx.dims, ctx.shape = dims, pooled.shape
-        return torch.cat([p.index_select(0, r) for p, r in zip(torch.split(pooled, dims, 1), rows)], 1)
+        ctx.runs, ctx.shape = _runs(dims), pooled.shape
+        B, parts = rows.shape[0], []
+        for f, n, col, d in ctx.runs:
+            block = pooled[:, col:col + n * d].unflatten(1, (n, d))
+            parts.append(block[rows[:, f:f + n], torch.arange(n, device=rows.device)].reshape(B, n * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
-        out = grad.new_zeros(ctx.shape)
-        for o, g, r in zip(torch.split(out, ctx.dims, 1), torch.split(grad, ctx.dims, 1), rows):
-            o.index_put_((r,), g, accumulate=True) if o.is_cuda else o.index_add_(0, r, g)
-        return out, None, None
+        B, parts = rows.shape[0], []
+        for f, n, col, d in ctx.runs:
+            # flat (pooled row, feature of the run) of every output sample's block
+            at = (rows[:, f:f + n] * n + torch.arange(n, device=rows.device)).reshape(-1)
+            g = grad[:, col:col + n * d].reshape(B * n, d)
+            part = grad.new_zeros(ctx.shape[0] * n, d)
+            part.index_put_((at,), g, accumulate=True) if part.is_cuda else part.index_add_(0, at, g)
+            parts.append(part.view(-1, n * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1), None, None
 
 
 class EmbeddingBagCollection(_Collection):
@@ -436,8 +459,8 @@ class EmbeddingBagCollection(_Collection):
 
     def _one_stride(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor]:
         """A batch whose features have their own batch sizes (stride_per_key) as one of the
-        largest stride, each feature's bags padded with empty ones; and the (F, B) rows of the
-        pooled output each output sample takes (TorchRec's inverse_indices, in feature order)."""
+        largest stride, each feature's bags padded with empty ones; and the rows of the pooled
+        output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed)."""
         inverse = kjt.inverse_indices_or_none()
         if inverse is None:
             raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
@@ -446,14 +469,24 @@ class EmbeddingBagCollection(_Collection):
         missing = [f for f in self.feature_names if f not in kjt.keys() or f not in keys]
         if missing:
             raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
-        kjt = kjt.permute([kjt.keys().index(f) for f, _ in self._slots])
+        order = [kjt.keys().index(f) for f, _ in self._slots]
+        if order != list(range(len(kjt.keys()))):
+            kjt = kjt.permute(order)
         strides, dev = kjt.stride_per_key(), kjt.values().device
-        B = max(strides)
-        at = torch.cat([torch.arange(f * B, f * B + s, device=dev) for f, s in enumerate(strides)])
-        lengths = torch.zeros(len(strides) * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
+        B, F, n = max(strides), len(strides), sum(strides)
+        # feature f's lengths entry i (of n, key-major) goes to f * B + i - (f's first entry):
+        # the strides and those shifts cross to the device in one copy, without a wait
+        firsts = itertools.accumulate(strides, initial=0)
+        small = torch.tensor(strides + [f * B - s for f, s in zip(range(F), firsts)], pin_memory=dev.type == "cuda")
+        small = small.to(dev, non_blocking=True)
+        feature = torch.repeat_interleave(torch.arange(F, device=dev), small[:F], output_size=n)
+        at = torch.arange(n, device=dev) + small[F:][feature]
+        lengths = torch.zeros(F * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
         padded = KeyedJaggedTensor(self.embedding_names, kjt.values(), kjt.weights_or_none(), lengths=lengths,
                                    stride=B, length_per_key=kjt.length_per_key())
-        return padded, torch.stack([index[keys.index(f)] for f, _ in self._slots]).long()
+        rows = [keys.index(f) for f, _ in self._slots]
+        index = index if rows == list(range(len(keys))) else torch.stack([index[r] for r in rows])
+        return padded, index.long().T.contiguous()
 
     @property
     def l2_residency(self) -> Optional[ResidencyReport]:
