@@ -112,16 +112,19 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
     bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
+    lane = tl.arange(0, BLOCK)
     for c in range(CHUNKS):
+        # lanes count in int32 from the block's first position (int64): the block's bounds
+        # and feature starts are scalars clamped to [-1, BLOCK] first
         first = start + c * BLOCK
-        pos = first + tl.arange(0, BLOCK)
-        in_values = pos < n
-        v = tl.load(values + pos, mask=in_values, other=0).to(tl.int64)
+        in_values = lane < tl.minimum(n - first, BLOCK).to(tl.int32)
+        v = tl.load(values + first + lane, mask=in_values, other=0)
         f_first = tl.sum(tl.where(j == c, f_at, 0))
         f_next = tl.sum(tl.where(j == c + 1, f_at, 0))  # the next block's first: at least this one's last
-        f = tl.zeros([BLOCK], dtype=tl.int64) + f_first
+        f = tl.zeros([BLOCK], dtype=tl.int32) + f_first.to(tl.int32)
         for k in range(f_first + 1, f_next + 1):  # the few feature starts inside this block
-            f += (pos >= tl.load(offsets + k * B)).to(tl.int64)  # k: int64, as f_first
+            at = tl.load(offsets + k * B).to(tl.int64) - first
+            f += (lane >= tl.minimum(tl.maximum(at, -1), BLOCK).to(tl.int32)).to(tl.int32)
         # a block inside one feature (almost all) loads one address for every lane: a broadcast
         limit = tl.load(limits + f, mask=in_values, other=0)
         # (a negative limit: a feature whose ids < 0 are dropped later, ops/validate.py in_range)
@@ -130,14 +133,16 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         if REMAP:
             first_row = tl.load(info + f * 3, mask=in_values, other=0)
             rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
-            new = hot_ids(v, in_values & ~bad, first_row, rel, words)
-            tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_values)
+            new = hot_ids(v.to(tl.int64), in_values & ~bad, first_row, rel, words)
+            tl.store(out + first + lane, new.to(out.dtype.element_ty), mask=in_values)
         if CHECK:
-            cur = tl.load(offsets + pos, mask=pos <= FB, other=0).to(tl.int64)
-            has_next = pos < FB
-            nxt = tl.load(offsets + pos + 1, mask=has_next, other=0).to(tl.int64)
-            bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == FB) & (cur != n))
-            bad_off_any = tl.maximum(bad_off_any, bad_off.to(tl.int32))
+            if first <= FB:  # (offsets end at FB: most blocks lie past them)
+                last = tl.minimum(FB - first, BLOCK).to(tl.int32)  # lane of offsets[FB], or BLOCK
+                cur = tl.load(offsets + first + lane, mask=lane <= last, other=0).to(tl.int64)
+                nxt = tl.load(offsets + first + lane + 1, mask=lane < last, other=0).to(tl.int64)
+                bad_off = (((lane < last) & (nxt < cur)) | ((lane == 0) & (first == 0) & (cur != 0))
+                           | ((lane == last) & (cur != n)))
+                bad_off_any = tl.maximum(bad_off_any, bad_off.to(tl.int32))
     if CHECK:
         flags = tl.max(bad_any) * K_BAD_ID + tl.max(bad_off_any) * K_BAD_OFFSETS
         if pid == 0:
@@ -317,7 +322,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         out if out is not None else values, resident.info if resident is not None else values,
         resident.words if resident is not None else values,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
-        REMAP=resident is not None)
+        REMAP=resident is not None, num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,

@@ -60,6 +60,9 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
 
 # ids a block of the flat checks (one table's, a keyed batch's; NOTES: "check kernels", session 14)
 CHECK_BLOCK = 1024
+# warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
+# left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")
+CHECK_WARPS = 8
 
 
 def check_chunks(n: int) -> int:
