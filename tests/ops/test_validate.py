@@ -133,11 +133,12 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
-def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
+def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B):
     """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
-    ids, bad offsets included."""
+    ids (int64 and int32), bad offsets included."""
     import itertools
 
     from embfuse.ops.collection import Plan
@@ -146,9 +147,9 @@ def test_collection_check_kernel_agrees_with_torch_check(data, F, B):
     rows = data.draw(st.lists(st.integers(1, 9), min_size=F, max_size=F))
     plan = Plan([(r, 4) for r in rows], [(f, "sum", 4 * f) for f in range(F)], KERNEL_DEVICE)
     lengths = data.draw(st.lists(st.integers(-1, 3), min_size=F * B, max_size=F * B))
-    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), device=KERNEL_DEVICE)
+    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=dtype, device=KERNEL_DEVICE)
     n = max(0, int(offsets[-1]) + data.draw(st.integers(-1, 1)))
-    values = torch.tensor(data.draw(st.lists(st.integers(-2, 10), min_size=n, max_size=n)), dtype=torch.int64,
+    values = torch.tensor(data.draw(st.lists(st.integers(-2, 10), min_size=n, max_size=n)), dtype=dtype,
                           device=KERNEL_DEVICE)
     expected = _collection_flags_reference(values, offsets, plan.limits, B)
     keys = [f"f{i}" for i in range(F)]
@@ -259,3 +260,24 @@ def test_collection_check_over_several_blocks_a_program(monkeypatch, chunks):
         assert int(check.status[0]) == BAD_ID, at
         with pytest.raises(IndexError):
             check_errors()
+
+
+@requires_kernels
+def test_int32_ids_of_a_table_past_their_range_all_pass():
+    """The check compares int32 ids in int32 against a table's rows clamped to int32's largest:
+    a table of more rows holds every int32 id, the largest included."""
+    from embfuse.ops.collection import Plan
+    from embfuse.ops.validate import validate_collection
+
+    plan = Plan([(2**31 + 5, 4), (10, 4)], [(0, "sum", 0), (1, "sum", 4)], KERNEL_DEVICE)
+    # feature a fills the first block of 1024 ids (one limit for the block), b starts in the next
+    values = torch.full((1101,), 2**31 - 1, dtype=torch.int32, device=KERNEL_DEVICE)
+    values[-1] = 9
+    offsets = torch.tensor([0, 1100, 1101], dtype=torch.int32, device=KERNEL_DEVICE)
+    *_, check = validate_collection(values, offsets, None, plan.limits, 1, ["a", "b"], ["a", "b"], kernel=True)
+    assert int(check.status[0]) == 0
+    values[-1] = 10
+    *_, check = validate_collection(values, offsets, None, plan.limits, 1, ["a", "b"], ["a", "b"], kernel=True)
+    assert int(check.status[0]) == BAD_ID
+    with pytest.raises(IndexError, match="feature 'b'"):
+        check_errors()
