@@ -264,8 +264,8 @@ def test_collection_check_over_several_blocks_a_program(monkeypatch, chunks):
 
 @requires_kernels
 def test_int32_ids_of_a_table_past_their_range_all_pass():
-    """The check compares int32 ids in int32 against a table's rows clamped to int32's largest:
-    a table of more rows holds every int32 id, the largest included."""
+    """A table of more rows than int32 holds every int32 id, the largest included, also in a
+    block of ids that lies inside one feature."""
     from embfuse.ops.collection import Plan
     from embfuse.ops.validate import validate_collection
 
