@@ -133,3 +133,37 @@ def test_fx_traces_a_model_around_a_collection(cls):
         torch.testing.assert_close(got.values(), want.values())
     else:
         assert list(got) == list(want) and all(torch.equal(got[k].values(), want[k].values()) for k in want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_variable_batch_of_one_width_equals_its_expanded_batch(device):
+    """Every feature one width (the expansion is one row gather): the VBE batch's output and
+    gradients equal those of the fixed batch that repeats each deduplicated bag."""
+    ts = [EmbeddingBagConfig(30, 4, f"t{i}", torch.float64, [f"f{i}"], pooling=p) for i, p in
+          enumerate(["sum", "mean", "sum"])]
+    ebc = EmbeddingBagCollection(ts, device=device)
+    keys, strides, B = ["f0", "f1", "f2"], [2, 5, 3], 5
+    per_key = [torch.randint(0, 4, (s,)) for s in strides]
+    ids = [torch.randint(0, 30, (int(n.sum()),)) for n in per_key]
+    inverse = torch.stack([torch.randint(0, s, (B,)) for s in strides])
+    vbe = KeyedJaggedTensor(keys, torch.cat(ids), lengths=torch.cat(per_key),
+                            stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, inverse)).to(device)
+    lengths, values = [], []
+    for n, v, inv in zip(per_key, ids, inverse):
+        bags = torch.split(v, n.tolist())
+        lengths.append(n[inv]), values.extend(bags[i] for i in inv.tolist())
+    fixed = KeyedJaggedTensor(keys, torch.cat(values), lengths=torch.cat(lengths), stride=B).to(device)
+    got, want = ebc(vbe).values(), ebc(fixed).values()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    got.backward(g)
+    grad, ebc.weights.grad = ebc.weights.grad.clone(), None
+    want.backward(g)
+    torch.testing.assert_close(grad, ebc.weights.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_inverse_indices_outside_a_features_samples_are_refused():
+    with pytest.raises(ValueError, match=r"inverse_indices of feature 'b': \[1\] = 2 is not one of its 2 samples"):
+        KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1, 1]),
+                          stride_per_key_per_rank=[[1], [2]],
+                          inverse_indices=(["a", "b"], torch.tensor([[0, 0, 0], [1, 2, 0]])))

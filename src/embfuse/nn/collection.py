@@ -26,7 +26,7 @@ from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
 from embfuse.ops.safe import POOLING, safe_bags, safe_rule
-from embfuse.ops.embedding import lookup_rows
+from embfuse.ops.embedding import gather, lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard, validate_collection
@@ -328,6 +328,10 @@ class _Expand(torch.autograd.Function):
         ctx.runs, ctx.shape = _runs(dims), pooled.shape
         B, parts = rows.shape[0], []
         for f, n, col, d in ctx.runs:
+            if n * d == pooled.shape[1]:  # one width for all: a row gather over (pooled row, feature) rows
+                at = (rows * n + torch.arange(n, device=rows.device)).reshape(-1)
+                parts.append(gather(pooled.view(-1, d), at).view(B, n * d))
+                continue
             block = pooled[:, col:col + n * d].unflatten(1, (n, d))
             parts.append(block[rows[:, f:f + n], torch.arange(n, device=rows.device)].reshape(B, n * d))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
@@ -486,7 +490,10 @@ class EmbeddingBagCollection(_Collection):
                                    stride=B, length_per_key=kjt.length_per_key())
         rows = [keys.index(f) for f, _ in self._slots]
         index = index if rows == list(range(len(keys))) else torch.stack([index[r] for r in rows])
-        return padded, index.long().T.contiguous()
+        # inverse indices made on a device are not checked (KeyedJaggedTensor.validate checks host
+        # ones): kept inside each feature's samples, so that no read leaves the pooled output
+        index = torch.minimum(index.long().clamp_min(0), (small[:F, None] - 1).clamp_min(0))
+        return padded, index.T.contiguous()
 
     @property
     def l2_residency(self) -> Optional[ResidencyReport]:

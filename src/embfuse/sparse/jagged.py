@@ -491,7 +491,8 @@ class KeyedJaggedTensor(_Jagged):
 
     # --- checks and TorchRec interop ---
     def validate(self) -> "KeyedJaggedTensor":
-        """Raise if lengths are negative or do not add up to the values (one host read)."""
+        """Raise if lengths are negative or do not add up to the values, or an inverse index names
+        no sample of its feature (one host read)."""
         if self._weights is not None and self._weights.shape != self._values.shape[:1]:
             raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
                              f"{tuple(self._values.shape)}")
@@ -505,6 +506,16 @@ class KeyedJaggedTensor(_Jagged):
                              f"{int(lengths[i])} is negative")
         if total != self._values.shape[0]:
             raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
+        inverse = self._inverse_indices
+        if inverse is not None and self._stride_per_key_per_rank is not None and inverse[1].device.type == "cpu":
+            keys, index = inverse
+            strides = torch.tensor([self._stride_per_key[self._keys.index(k)] if k in self._keys else 2**62
+                                    for k in keys])
+            bad = ((index < 0) | (index >= strides[:, None])).nonzero()
+            if bad.numel():
+                f, b = bad[0].tolist()
+                raise ValueError(f"inverse_indices of feature {keys[f]!r}: [{b}] = {int(index[f, b])} is not one of "
+                                 f"its {int(strides[f])} samples")
         return self
 
     @staticmethod
