@@ -167,3 +167,18 @@ def test_inverse_indices_outside_a_features_samples_are_refused():
         KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1, 1]),
                           stride_per_key_per_rank=[[1], [2]],
                           inverse_indices=(["a", "b"], torch.tensor([[0, 0, 0], [1, 2, 0]])))
+
+
+@pytest.mark.gpu
+def test_the_pinned_ring_never_rewrites_a_row_a_copy_has_yet_to_read():
+    """The VBE forward's small host data: while the GPU is busy, every copy still gets its own
+    values (rows still in use are not reused: a fresh pinned tensor instead)."""
+    from embfuse.nn.vbe import PinnedRing
+
+    ring, dev = PinnedRing(slots=2, width=4), torch.device("cuda")
+    x = torch.randn(2048, 2048, device=dev)
+    outs = []
+    for i in range(12):
+        x = torch.tanh(x @ x)  # keeps the GPU behind the host
+        outs.append(ring.to([i, i + 1, i + 2, i + 3, i + 4], dev))  # (wider than the ring: regrown)
+    assert [o.tolist() for o in outs] == [[i, i + 1, i + 2, i + 3, i + 4] for i in range(12)]

@@ -10,7 +10,6 @@ optimizer state is flat (`optimizer_<name>`, per element or per global row) with
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -20,13 +19,14 @@ from torch import Tensor
 
 from embfuse._triton import needs_op
 from embfuse.nn.modules import FusedModule
+from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
 from embfuse._triton import use_kernels
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
 from embfuse.ops.safe import POOLING, safe_bags, safe_rule
-from embfuse.ops.embedding import gather, lookup_rows
+from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, guard, validate_collection
@@ -302,54 +302,6 @@ class _Collection(FusedModule, torch.nn.Module):
                                  stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
 
 
-def _runs(dims: list[int]) -> list[tuple[int, int, int, int]]:
-    """Runs of consecutive features of one width: (first feature, count, first column, width)."""
-    runs, col = [], 0
-    for f, d in enumerate(dims):
-        if runs and runs[-1][3] == d:
-            runs[-1][1] += 1
-        else:
-            runs.append([f, 1, col, d])
-        col += d
-    return [tuple(r) for r in runs]
-
-
-class _Expand(torch.autograd.Function):
-    """out[b, feature f's columns] = pooled[rows[b, f], those columns]: a variable-batch lookup's
-    pooled rows handed to the output samples that share them, one gather a run of features of
-    one width (one for the whole output when all share it). The backward adds the gradients of
-    the samples sharing a row deterministically: index_put(accumulate=True) sorts on CUDA,
-    index_add runs in order on the CPU (torch's deterministic-algorithms notes: each op's other
-    device is the nondeterministic one)."""
-
-    @staticmethod
-    def forward(ctx, pooled, rows, dims):
-        ctx.save_for_backward(rows)
-        ctx.runs, ctx.shape = _runs(dims), pooled.shape
-        B, parts = rows.shape[0], []
-        for f, n, col, d in ctx.runs:
-            if n * d == pooled.shape[1]:  # one width for all: a row gather over (pooled row, feature) rows
-                at = (rows * n + torch.arange(n, device=rows.device)).reshape(-1)
-                parts.append(gather(pooled.view(-1, d), at).view(B, n * d))
-                continue
-            block = pooled[:, col:col + n * d].unflatten(1, (n, d))
-            parts.append(block[rows[:, f:f + n], torch.arange(n, device=rows.device)].reshape(B, n * d))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        B, parts = rows.shape[0], []
-        for f, n, col, d in ctx.runs:
-            # flat (pooled row, feature of the run) of every output sample's block
-            at = (rows[:, f:f + n] * n + torch.arange(n, device=rows.device)).reshape(-1)
-            g = grad[:, col:col + n * d].reshape(B * n, d)
-            part = grad.new_zeros(ctx.shape[0] * n, d)
-            part.index_put_((at,), g, accumulate=True) if part.is_cuda else part.index_add_(0, at, g)
-            parts.append(part.view(-1, n * d))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1), None, None
-
-
 class EmbeddingBagCollection(_Collection):
     """TorchRec's EmbeddingBagCollection: pooled lookups of every feature of a KeyedJaggedTensor,
     returned as a KeyedTensor (B, sum of widths) in table order, then feature order.
@@ -391,6 +343,7 @@ class EmbeddingBagCollection(_Collection):
             self.register_buffer("hot_slot", self._hot.slot, persistent=False)
             self.register_buffer("hot_keys", self._hot.keys, persistent=False)
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
+        self._vbe_ring = PinnedRing()  # (variable batches: their small per-feature host data)
         self._feature = {}  # output name -> (table index, pooling, first output column)
         self._safe = {}  # output name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
         col = 0
@@ -444,7 +397,7 @@ class EmbeddingBagCollection(_Collection):
             return traced
         rows = None
         if features.variable_stride_per_key():  # TorchRec's variable batch size per feature
-            features, rows = self._one_stride(features)
+            features, rows = one_stride(features, self._slots, self.embedding_names, self._vbe_ring)
         fused = self._fused_now()
         trains = fused is not None or needs_op(self.weights)
         B, plan, values, offsets, psw, check, resident = self._checked(features, trains, trains)
@@ -458,42 +411,8 @@ class EmbeddingBagCollection(_Collection):
             with window(resident):
                 out = embedding_bag_collection(self.weights, values, offsets, psw, plan, B, status)
         if rows is not None:
-            out = _Expand.apply(out, rows, self._dims)
+            out = Expand.apply(out, rows, self._dims)
         return KeyedTensor(self.embedding_names, self._dims, out)
-
-    def _one_stride(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor]:
-        """A batch whose features have their own batch sizes (stride_per_key) as one of the
-        largest stride, each feature's bags padded with empty ones; and the rows of the pooled
-        output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed)."""
-        inverse = kjt.inverse_indices_or_none()
-        if inverse is None:
-            raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
-                             f"{kjt.stride_per_key()}) needs inverse_indices to be pooled (TorchRec's rule)")
-        keys, index = inverse
-        missing = [f for f in self.feature_names if f not in kjt.keys() or f not in keys]
-        if missing:
-            raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
-        order = [kjt.keys().index(f) for f, _ in self._slots]
-        if order != list(range(len(kjt.keys()))):
-            kjt = kjt.permute(order)
-        strides, dev = kjt.stride_per_key(), kjt.values().device
-        B, F, n = max(strides), len(strides), sum(strides)
-        # feature f's lengths entry i (of n, key-major) goes to f * B + i - (f's first entry):
-        # the strides and those shifts cross to the device in one copy, without a wait
-        firsts = itertools.accumulate(strides, initial=0)
-        small = torch.tensor(strides + [f * B - s for f, s in zip(range(F), firsts)], pin_memory=dev.type == "cuda")
-        small = small.to(dev, non_blocking=True)
-        feature = torch.repeat_interleave(torch.arange(F, device=dev), small[:F], output_size=n)
-        at = torch.arange(n, device=dev) + small[F:][feature]
-        lengths = torch.zeros(F * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
-        padded = KeyedJaggedTensor(self.embedding_names, kjt.values(), kjt.weights_or_none(), lengths=lengths,
-                                   stride=B, length_per_key=kjt.length_per_key())
-        rows = [keys.index(f) for f, _ in self._slots]
-        index = index if rows == list(range(len(keys))) else torch.stack([index[r] for r in rows])
-        # inverse indices made on a device are not checked (KeyedJaggedTensor.validate checks host
-        # ones): kept inside each feature's samples, so that no read leaves the pooled output
-        index = torch.minimum(index.long().clamp_min(0), (small[:F, None] - 1).clamp_min(0))
-        return padded, index.T.contiguous()
 
     @property
     def l2_residency(self) -> Optional[ResidencyReport]:

@@ -1,0 +1,131 @@
+"""Variable batch size per feature (TorchRec's VBE) in EmbeddingBagCollection's forward: the
+batch padded to one stride for the usual launches, then each output sample given the pooled
+row its inverse index names."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from embfuse.ops.embedding import gather
+from embfuse.sparse.jagged import KeyedJaggedTensor
+
+
+class PinnedRing:
+    """Small int64 host data copied to a device without the host waiting and without a new
+    pinned allocation each call: while the GPU is behind, the caching host allocator's blocks
+    are still held by copies not yet run, so a pinned tensor a call allocated afresh (about 300
+    us of host time a VBE forward on the H100: benchmarks/NOTES.md, session 16). Rows of one
+    pinned buffer are reused once the copy that last read them has run (a CUDA event)."""
+
+    def __init__(self, slots: int = 8, width: int = 256):
+        self.slots, self.width, self.k = slots, width, 0
+        self.host, self.events = None, [None] * slots
+
+    def to(self, values: list[int], device: torch.device) -> Tensor:
+        if device.type != "cuda":
+            return torch.tensor(values, device=device)
+        k = self.k % self.slots
+        self.k += 1
+        if self.host is None or len(values) > self.width:
+            self.width = max(self.width, len(values))
+            self.host = torch.empty((self.slots, self.width), dtype=torch.int64, pin_memory=True)
+            self.events = [None] * self.slots
+        event = self.events[k]
+        if event is not None and not event.query():  # every row still being read: a fresh one
+            return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+        row = self.host[k, :len(values)]
+        row.copy_(torch.tensor(values))
+        out = row.to(device, non_blocking=True)
+        self.events[k] = event = torch.cuda.Event()
+        event.record()
+        return out
+
+
+def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list[str],
+               ring: PinnedRing) -> tuple[KeyedJaggedTensor, Tensor]:
+    """A batch whose features have their own batch sizes (stride_per_key) as one keyed by the
+    output `names` (slots: (feature, output name) in output order) of the largest stride, each
+    feature's bags padded with empty ones; and the rows of the pooled output each output sample
+    takes, (B, F) (TorchRec's inverse_indices, transposed)."""
+    inverse = kjt.inverse_indices_or_none()
+    if inverse is None:
+        raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
+                         f"{kjt.stride_per_key()}) needs inverse_indices to be pooled (TorchRec's rule)")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("a batch whose features have their own batch sizes cannot be captured in a CUDA "
+                                  "graph: its per-feature sizes cross from the host at each call")
+    keys, index = inverse
+    missing = [f for f, _ in slots if f not in kjt.keys() or f not in keys]
+    if missing:
+        raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
+    order = [kjt.keys().index(f) for f, _ in slots]
+    if order != list(range(len(kjt.keys()))):
+        kjt = kjt.permute(order)
+    strides, dev = kjt.stride_per_key(), kjt.values().device
+    B, F, n = max(strides), len(strides), sum(strides)
+    # feature f's lengths entry i (of n, key-major) goes to f * B + i - (f's first entry): the
+    # strides and those shifts cross to the device in one copy, without a wait
+    firsts = itertools.accumulate(strides, initial=0)
+    small = ring.to(strides + [f * B - s for f, s in zip(range(F), firsts)], dev)
+    feature = torch.repeat_interleave(torch.arange(F, device=dev), small[:F], output_size=n)
+    at = torch.arange(n, device=dev) + small[F:][feature]
+    lengths = torch.zeros(F * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
+    padded = KeyedJaggedTensor(names, kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
+                               length_per_key=kjt.length_per_key())
+    rows = [keys.index(f) for f, _ in slots]
+    index = index if rows == list(range(len(keys))) else torch.stack([index[r] for r in rows])
+    # inverse indices made on a device are not checked (KeyedJaggedTensor.validate checks host
+    # ones): kept inside each feature's samples, so that no read leaves the pooled output
+    index = torch.minimum(index.long().clamp_min(0), (small[:F, None] - 1).clamp_min(0))
+    return padded, index.T.contiguous()
+
+
+def _runs(dims: list[int]) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive features of one width: (first feature, count, first column, width)."""
+    runs, col = [], 0
+    for f, d in enumerate(dims):
+        if runs and runs[-1][3] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1, col, d])
+        col += d
+    return [tuple(r) for r in runs]
+
+
+class Expand(torch.autograd.Function):
+    """out[b, feature f's columns] = pooled[rows[b, f], those columns]: a variable-batch lookup's
+    pooled rows handed to the output samples that share them, one gather a run of features of
+    one width (one for the whole output when all share it). The backward adds the gradients of
+    the samples sharing a row deterministically: index_put(accumulate=True) sorts on CUDA,
+    index_add runs in order on the CPU (torch's deterministic-algorithms notes: each op's other
+    device is the nondeterministic one)."""
+
+    @staticmethod
+    def forward(ctx, pooled, rows, dims):
+        ctx.save_for_backward(rows)
+        ctx.runs, ctx.shape = _runs(dims), pooled.shape
+        B, parts = rows.shape[0], []
+        for f, n, col, d in ctx.runs:
+            if n * d == pooled.shape[1]:  # one width for all: a row gather over (pooled row, feature) rows
+                at = (rows * n + torch.arange(n, device=rows.device)).reshape(-1)
+                parts.append(gather(pooled.view(-1, d), at).view(B, n * d))
+                continue
+            block = pooled[:, col:col + n * d].unflatten(1, (n, d))
+            parts.append(block[rows[:, f:f + n], torch.arange(n, device=rows.device)].reshape(B, n * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        B, parts = rows.shape[0], []
+        for f, n, col, d in ctx.runs:
+            # flat (pooled row, feature of the run) of every output sample's block
+            at = (rows[:, f:f + n] * n + torch.arange(n, device=rows.device)).reshape(-1)
+            g = grad[:, col:col + n * d].reshape(B * n, d)
+            part = grad.new_zeros(ctx.shape[0] * n, d)
+            part.index_put_((at,), g, accumulate=True) if part.is_cuda else part.index_add_(0, at, g)
+            parts.append(part.view(-1, n * d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1), None, None
