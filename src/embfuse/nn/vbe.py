@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from embfuse.ops.embedding import gather
+from embfuse.ops.vbe import pad_variable_batch
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
@@ -49,7 +50,9 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     """A batch whose features have their own batch sizes (stride_per_key) as one keyed by the
     output `names` (slots: (feature, output name) in output order) of the largest stride, each
     feature's bags padded with empty ones; and the rows of the pooled output each output sample
-    takes, (B, F) (TorchRec's inverse_indices, transposed)."""
+    takes, (B, F) (TorchRec's inverse_indices, transposed). Inverse indices made on a device
+    are not checked (KeyedJaggedTensor.validate checks host ones): they are kept inside each
+    feature's samples, so that no read leaves the pooled output."""
     inverse = kjt.inverse_indices_or_none()
     if inverse is None:
         raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
@@ -65,22 +68,15 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     if order != list(range(len(kjt.keys()))):
         kjt = kjt.permute(order)
     strides, dev = kjt.stride_per_key(), kjt.values().device
-    B, F, n = max(strides), len(strides), sum(strides)
-    # feature f's lengths entry i (of n, key-major) goes to f * B + i - (f's first entry): the
-    # strides and those shifts cross to the device in one copy, without a wait
-    firsts = itertools.accumulate(strides, initial=0)
-    small = ring.to(strides + [f * B - s for f, s in zip(range(F), firsts)], dev)
-    feature = torch.repeat_interleave(torch.arange(F, device=dev), small[:F], output_size=n)
-    at = torch.arange(n, device=dev) + small[F:][feature]
-    lengths = torch.zeros(F * B, dtype=kjt.lengths().dtype, device=dev).index_put_((at,), kjt.lengths())
+    B, F = max(strides), len(strides)
+    # each feature's stride, first lengths entry and row of the inverse indices: one copy
+    # without a wait, then two launches (ops/vbe.py)
+    firsts = list(itertools.accumulate(strides, initial=0))[:-1]
+    meta = ring.to(strides + firsts + [keys.index(f) for f, _ in slots], dev)
+    lengths, rows = pad_variable_batch(kjt.lengths(), index.contiguous(), meta, F, B)
     padded = KeyedJaggedTensor(names, kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
                                length_per_key=kjt.length_per_key())
-    rows = [keys.index(f) for f, _ in slots]
-    index = index if rows == list(range(len(keys))) else torch.stack([index[r] for r in rows])
-    # inverse indices made on a device are not checked (KeyedJaggedTensor.validate checks host
-    # ones): kept inside each feature's samples, so that no read leaves the pooled output
-    index = torch.minimum(index.long().clamp_min(0), (small[:F, None] - 1).clamp_min(0))
-    return padded, index.T.contiguous()
+    return padded, rows
 
 
 def _runs(dims: list[int]) -> list[tuple[int, int, int, int]]:
