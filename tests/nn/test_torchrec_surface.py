@@ -182,3 +182,36 @@ def test_the_pinned_ring_never_rewrites_a_row_a_copy_has_yet_to_read():
         x = torch.tanh(x @ x)  # keeps the GPU behind the host
         outs.append(ring.to([i, i + 1, i + 2, i + 3, i + 4], dev))  # (wider than the ring: regrown)
     assert [o.tolist() for o in outs] == [[i, i + 1, i + 2, i + 3, i + 4] for i in range(12)]
+
+
+def _vbe_batch(device, keys=("f0", "f1"), strides=(2, 3), rows=10, B=3):
+    per_key = [torch.randint(0, 4, (s,)) for s in strides]
+    per_key[0][0] = 0  # an empty bag
+    ids = torch.randint(0, rows, (int(sum(n.sum() for n in per_key)),))
+    inverse = torch.stack([torch.randint(0, s, (B,)) for s in strides])
+    return KeyedJaggedTensor(list(keys), ids, lengths=torch.cat(per_key), stride_per_key_per_rank=[[s] for s in strides],
+                             inverse_indices=(list(keys), inverse)).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_collection_statistics_and_layer_norm_take_a_variable_batch(device):
+    """TorchRec's VBE beyond the pooled forward: EmbeddingCollection gives each feature's
+    samples (its own count); statistics count every id; the LayerNorm path normalises the
+    expanded output."""
+    kjt = _vbe_batch(device)
+    ec = EmbeddingCollection([EmbeddingConfig(10, 4, "t0", torch.float64, ["f0"]),
+                              EmbeddingConfig(10, 4, "t1", torch.float64, ["f1"])], device=device)
+    out = ec(kjt)
+    for f, t in (("f0", "t0"), ("f1", "t1")):
+        jt = kjt[f]
+        assert torch.equal(out[f].lengths(), jt.lengths())
+        torch.testing.assert_close(out[f].values(), ec.embedding_weight(t)[jt.values()])
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "t0", torch.float64, ["f0"]),
+                                  EmbeddingBagConfig(10, 4, "t1", torch.float64, ["f1"])], device=device)
+    stats = ebc.statistics(kjt)
+    assert [stats[t].lookups for t in ("t0", "t1")] == [kjt["f0"].values().numel(), kjt["f1"].values().numel()]
+    w, b = torch.rand(2, 4, dtype=torch.float64, device=device), torch.rand(2, 4, dtype=torch.float64, device=device)
+    got = ebc.forward_layer_norm(kjt, w, b, activation="tanh")
+    x = ebc(kjt).values().view(3, 2, 4)
+    want = torch.tanh(torch.nn.functional.layer_norm(x, (4,), eps=1e-5) * w + b).flatten(1)
+    torch.testing.assert_close(got, want)

@@ -175,6 +175,7 @@ class _Collection(FusedModule, torch.nn.Module):
         self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
         self.reset_parameters()
         self._plans = {}
+        self._vbe_ring = PinnedRing()  # (variable batches: their small per-feature host data)
         self._init_fused(bounds_check, optimizer)
 
     def reset_parameters(self) -> None:
@@ -279,12 +280,10 @@ class _Collection(FusedModule, torch.nn.Module):
         return tracer.create_proxy("call_function", self.forward, (features,), {})
 
     def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch restricted to this collection's features (extra keys dropped)."""
+        """The batch restricted to this collection's features (extra keys dropped); one whose
+        features have their own batch sizes (TorchRec's VBE) padded to one stride."""
         if kjt.variable_stride_per_key():
-            raise NotImplementedError(
-                f"a batch whose features have different batch sizes (stride_per_key "
-                f"{kjt.stride_per_key()}; TorchRec's variable batch size) is pooled by EmbeddingBagCollection's "
-                f"forward only: give every feature {kjt.stride()} samples here")
+            return one_stride(kjt, self._slots, self.embedding_names, self._vbe_ring, expand=False)[0]
         keys = kjt.keys()
         if keys == self.embedding_names:
             return kjt
@@ -343,7 +342,6 @@ class EmbeddingBagCollection(_Collection):
             self.register_buffer("hot_slot", self._hot.slot, persistent=False)
             self.register_buffer("hot_keys", self._hot.keys, persistent=False)
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
-        self._vbe_ring = PinnedRing()  # (variable batches: their small per-feature host data)
         self._feature = {}  # output name -> (table index, pooling, first output column)
         self._safe = {}  # output name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
         col = 0
@@ -445,7 +443,7 @@ class EmbeddingBagCollection(_Collection):
         recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                    for t in (self.weights, weight, bias))
         if (recorded or self._fused_now() is not None or not use_kernels(self.weights) or not 0 < D <= 256
-                or self.weights.dtype == torch.float64):
+                or self.weights.dtype == torch.float64 or features.variable_stride_per_key()):
             x = self(features).values()
             return layer_norm_act(x.view(x.shape[0], -1, max(dims)), weight, bias, eps, activation).flatten(1)
         F = len(self.embedding_names)
@@ -508,6 +506,10 @@ class EmbeddingCollection(_Collection):
         traced = self._traced(features)
         if traced is not None:
             return traced
+        strides = None  # (features with their own batch sizes: each output keeps its feature's)
+        if features.variable_stride_per_key():
+            own = dict(zip(features.keys(), features.stride_per_key()))
+            strides = [own[f] for f, _ in self._slots]
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
@@ -531,5 +533,5 @@ class EmbeddingCollection(_Collection):
             out = lookup_rows(table, rows, status)
         counts = kjt.length_per_key() if values is kjt.values() else lengths.reshape(len(keys), B).sum(1).tolist()
         ids = torch.split(values, counts) if self._need_indices else [None] * len(keys)
-        return {k: JaggedTensor(v, ids[i], lengths=lengths[i * B:(i + 1) * B])
+        return {k: JaggedTensor(v, ids[i], lengths=lengths[i * B:i * B + (B if strides is None else strides[i])])
                 for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}

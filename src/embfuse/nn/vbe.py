@@ -5,6 +5,7 @@ row its inverse index names."""
 from __future__ import annotations
 
 import itertools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -45,22 +46,23 @@ class PinnedRing:
         return out
 
 
-def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list[str],
-               ring: PinnedRing) -> tuple[KeyedJaggedTensor, Tensor]:
+def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list[str], ring: PinnedRing,
+               expand: bool = True) -> tuple[KeyedJaggedTensor, Optional[Tensor]]:
     """A batch whose features have their own batch sizes (stride_per_key) as one keyed by the
     output `names` (slots: (feature, output name) in output order) of the largest stride, each
-    feature's bags padded with empty ones; and the rows of the pooled output each output sample
-    takes, (B, F) (TorchRec's inverse_indices, transposed). Inverse indices made on a device
-    are not checked (KeyedJaggedTensor.validate checks host ones): they are kept inside each
-    feature's samples, so that no read leaves the pooled output."""
+    feature's bags padded with empty ones; and, to `expand` pooled outputs, the rows of the
+    pooled output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed;
+    else None). Inverse indices made on a device are not checked (KeyedJaggedTensor.validate
+    checks host ones): they are kept inside each feature's samples, so that no read leaves the
+    pooled output."""
     inverse = kjt.inverse_indices_or_none()
-    if inverse is None:
+    if expand and inverse is None:
         raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
                          f"{kjt.stride_per_key()}) needs inverse_indices to be pooled (TorchRec's rule)")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError("a batch whose features have their own batch sizes cannot be captured in a CUDA "
                                   "graph: its per-feature sizes cross from the host at each call")
-    keys, index = inverse
+    keys, index = inverse if expand else (kjt.keys(), None)
     missing = [f for f, _ in slots if f not in kjt.keys() or f not in keys]
     if missing:
         raise KeyError(f"the batch has no feature {missing[0]!r} in its keys or inverse indices")
@@ -70,10 +72,10 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     strides, dev = kjt.stride_per_key(), kjt.values().device
     B, F = max(strides), len(strides)
     # each feature's stride, first lengths entry and row of the inverse indices: one copy
-    # without a wait, then two launches (ops/vbe.py)
+    # without a wait, then one or two launches (ops/vbe.py)
     firsts = list(itertools.accumulate(strides, initial=0))[:-1]
     meta = ring.to(strides + firsts + [keys.index(f) for f, _ in slots], dev)
-    lengths, rows = pad_variable_batch(kjt.lengths(), index.contiguous(), meta, F, B)
+    lengths, rows = pad_variable_batch(kjt.lengths(), None if index is None else index.contiguous(), meta, F, B)
     padded = KeyedJaggedTensor(names, kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
                                length_per_key=kjt.length_per_key())
     return padded, rows

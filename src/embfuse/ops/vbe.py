@@ -8,6 +8,8 @@ which cost the host 13-70 us an H100 call (benchmarks/NOTES.md, session 16).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -15,15 +17,18 @@ from embfuse._triton import cdiv, launch, tl, triton, use_kernels
 from embfuse.ops import tuning
 
 
-def pad_reference(lengths: Tensor, inverse: Tensor, meta: Tensor, F: int, Bp: int) -> tuple[Tensor, Tensor]:
+def pad_reference(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor, F: int,
+                  Bp: int) -> tuple[Tensor, Optional[Tensor]]:
     """Pure torch (CPU path and test oracle): (lengths padded to F * Bp, feature f's bag b at
     f * Bp + b and empty bags after its stride; rows (Bo, F): inverse[row of f, b] kept inside
-    feature f's samples)."""
+    feature f's samples, or None without inverse indices)."""
     strides, firsts, inverse_rows = meta[:F], meta[F:2 * F], meta[2 * F:3 * F]
     b = torch.arange(Bp, device=lengths.device)
     keep = b[None, :] < strides[:, None]
     at = torch.where(keep, firsts[:, None] + b[None, :], 0)
     padded = torch.where(keep, lengths[at] if lengths.numel() else 0, 0).to(lengths.dtype).reshape(-1)
+    if inverse is None:
+        return padded, None
     rows = inverse[inverse_rows].long()
     rows = torch.minimum(rows.clamp_min(0), (strides - 1).clamp_min(0)[:, None])
     return padded, rows.T.contiguous()
@@ -52,16 +57,22 @@ def _pad_kernel(lengths, inverse, meta, out, F, Bp, Bo, inverse_stride, BLOCK: t
         tl.store(out + i, v.to(out.dtype.element_ty), mask=inside)
 
 
-def pad_variable_batch(lengths: Tensor, inverse: Tensor, meta: Tensor, F: int, Bp: int) -> tuple[Tensor, Tensor]:
-    """As pad_reference, by two launches where kernels run."""
+def pad_variable_batch(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor, F: int,
+                       Bp: int) -> tuple[Tensor, Optional[Tensor]]:
+    """As pad_reference, by a launch for the lengths and one for the rows where kernels run."""
     if not use_kernels(lengths):
         return pad_reference(lengths, inverse, meta, F, Bp)
-    Bo = inverse.shape[-1]
     padded = torch.empty(F * Bp, dtype=lengths.dtype, device=lengths.device)
-    rows = torch.empty((Bo, F), dtype=torch.int64, device=lengths.device)
+    parts = [(padded, F * Bp, False)]
+    rows, Bo = None, 0
+    if inverse is not None:
+        Bo = inverse.shape[-1]
+        rows = torch.empty((Bo, F), dtype=torch.int64, device=lengths.device)
+        parts.append((rows, F * Bo, True))
     block = tuning.CHECK_BLOCK
-    for out, n, is_rows in ((padded, F * Bp, False), (rows, F * Bo, True)):
+    for out, n, is_rows in parts:
         if n:
-            launch(_pad_kernel)[(cdiv(n, block),)](lengths, inverse, meta, out, F, Bp, Bo, inverse.stride(0),
+            launch(_pad_kernel)[(cdiv(n, block),)](lengths, lengths if inverse is None else inverse, meta, out, F,
+                                                   Bp, Bo, 0 if inverse is None else inverse.stride(0),
                                                    BLOCK=block, ROWS=is_rows)
     return padded, rows
