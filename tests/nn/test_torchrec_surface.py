@@ -215,3 +215,17 @@ def test_embedding_collection_statistics_and_layer_norm_take_a_variable_batch(de
     x = ebc(kjt).values().view(3, 2, 4)
     want = torch.tanh(torch.nn.functional.layer_norm(x, (4,), eps=1e-5) * w + b).flatten(1)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_a_variable_batch_is_refused_inside_a_cuda_graph_capture():
+    """Its per-feature sizes cross from the host at each call: a replay would read stale ones."""
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "t0", feature_names=["f0"]),
+                                  EmbeddingBagConfig(10, 4, "t1", feature_names=["f1"])], device="cuda")
+    kjt = _vbe_batch("cuda")
+    ebc(kjt)
+    torch.cuda.synchronize()
+    with pytest.raises(NotImplementedError, match="CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ebc(kjt)
+    assert ebc(kjt).values().shape == (3, 8)  # the context still works
