@@ -93,10 +93,12 @@ def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["slot", "seq"])
+# F is never a constant: with F == 1 the feature search folds away and Triton 3.6's coalesce
+# pass asserted on the one-limit branch below (an H100 run, benchmarks/NOTES.md session 16)
+@triton.jit(do_not_specialize=["slot", "seq", "F"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
-                       REMAP: tl.constexpr):
+                       REMAP: tl.constexpr, MAX_ID: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
@@ -125,10 +127,14 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         for k in range(f_first + 1, f_next + 1):  # the few feature starts inside this block
             at = tl.load(offsets + k * B).to(tl.int64) - first
             f += (lane >= tl.minimum(tl.maximum(at, -1), BLOCK).to(tl.int32)).to(tl.int32)
-        # a block inside one feature (almost all) loads one address for every lane: a broadcast
-        limit = tl.load(limits + f, mask=in_values, other=0)
         # (a negative limit: a feature whose ids < 0 are dropped later, ops/validate.py in_range)
-        bad = in_values & (((v < 0) & (limit > 0)) | (v >= tl.abs(limit)))
+        if f_next == f_first:  # a block inside one feature (almost all): one limit, compared in the ids' width
+            one = tl.load(limits + f_first)
+            rows = tl.minimum(tl.abs(one), MAX_ID).to(v.dtype)  # (a table past MAX_ID rows holds every id)
+            bad = in_values & (((v < 0) & (one > 0)) | ((v >= rows) & (tl.abs(one) <= MAX_ID)))
+        else:
+            limit = tl.load(limits + f, mask=in_values, other=0)
+            bad = in_values & (((v < 0) & (limit > 0)) | (v >= tl.abs(limit)))
         bad_any = tl.maximum(bad_any, bad.to(tl.int32))
         if REMAP:
             first_row = tl.load(info + f * 3, mask=in_values, other=0)
@@ -322,7 +328,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         out if out is not None else values, resident.info if resident is not None else values,
         resident.words if resident is not None else values,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
-        REMAP=resident is not None, num_warps=tuning.CHECK_WARPS)
+        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
