@@ -252,6 +252,9 @@ class KeyedJaggedTensor(_Jagged):
         if self._lengths.device.type == "cpu":
             self.validate()  # host lengths: the sums cost no device read
 
+    # TorchRec's own ComputeKJTToJTDict module passes this (its to_dict cache) on: embfuse keeps none
+    _jt_dict = None
+
     # --- TorchRec's accessors ---
     def keys(self) -> list[str]:
         return self._keys
