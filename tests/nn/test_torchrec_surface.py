@@ -189,7 +189,8 @@ def _vbe_batch(device, keys=("f0", "f1"), strides=(2, 3), rows=10, B=3):
     per_key[0][0] = 0  # an empty bag
     ids = torch.randint(0, rows, (int(sum(n.sum() for n in per_key)),))
     inverse = torch.stack([torch.randint(0, s, (B,)) for s in strides])
-    return KeyedJaggedTensor(list(keys), ids, lengths=torch.cat(per_key), stride_per_key_per_rank=[[s] for s in strides],
+    return KeyedJaggedTensor(list(keys), ids, lengths=torch.cat(per_key),
+                             stride_per_key_per_rank=[[s] for s in strides],
                              inverse_indices=(list(keys), inverse)).to(device)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import embfuse
-from embfuse.ops.bags import SUM, backward_inputs
+from embfuse.ops.bags import backward_inputs
 from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding import embedding_forward
 from embfuse.ops.embedding_bag import embedding_bag_forward, table_backward_inputs

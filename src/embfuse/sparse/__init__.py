@@ -2,5 +2,8 @@
 
 from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
+from embfuse.sparse import pytree
+
+pytree.register()
 
 __all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]

@@ -13,8 +13,6 @@ import itertools
 from typing import Optional, Sequence
 
 import torch
-import torch.fx._pytree
-import torch.utils._pytree
 from torch import Tensor
 
 from embfuse.ops.errors import BadCountsError
@@ -577,36 +575,3 @@ def _kept(t: Optional[Tensor], keep: Tensor) -> Optional[Tensor]:
 
 
 torch.fx.wrap("_kept")
-
-
-# pytree: torch.export and torch.compile take and return these (tensors the leaves, keys and
-# per-key counts the spec)
-def _jt_flatten(jt: JaggedTensor):
-    return [jt.values(), jt.weights_or_none(), jt.lengths(), jt.offsets_or_none()], None
-
-
-def _jt_unflatten(leaves, context) -> JaggedTensor:
-    values, weights, lengths, offsets = leaves
-    return JaggedTensor(values, weights, lengths=lengths, offsets=offsets)
-
-
-def _kjt_flatten(kjt: KeyedJaggedTensor):
-    inverse = kjt.inverse_indices_or_none()
-    leaves = [kjt.values(), kjt.weights_or_none(), kjt.lengths(), kjt.offsets_or_none(),
-              None if inverse is None else inverse[1]]
-    return leaves, (kjt.keys(), kjt.stride(), kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
-                    None if inverse is None else inverse[0])
-
-
-def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
-    values, weights, lengths, offsets, inverse = leaves
-    keys, stride, spkpr, inverse_keys = context
-    return KeyedJaggedTensor(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
-                             stride_per_key_per_rank=spkpr,
-                             inverse_indices=None if inverse_keys is None else (inverse_keys, inverse))
-
-
-for _cls, _flat, _unflat in ((JaggedTensor, _jt_flatten, _jt_unflatten),
-                             (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten)):
-    torch.utils._pytree.register_pytree_node(_cls, _flat, _unflat, serialized_type_name=f"embfuse.{_cls.__name__}")
-    torch.fx._pytree.register_pytree_flatten_spec(_cls, lambda t, spec, _flat=_flat: _flat(t)[0])

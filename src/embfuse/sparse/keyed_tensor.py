@@ -9,8 +9,6 @@ import itertools
 from typing import Sequence
 
 import torch
-import torch.fx._pytree
-import torch.utils._pytree
 from torch import Tensor
 
 from embfuse.sparse.tracing import Traceable
@@ -109,26 +107,3 @@ def _regroup_as_dict(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequ
 
 torch.fx.wrap("_regroup")
 torch.fx.wrap("_regroup_as_dict")
-
-
-# pytree: torch.export and torch.compile take and return KeyedTensors (TorchRec's layout of
-# them: the values a leaf; keys and widths the spec)
-def _flatten(kt: KeyedTensor):
-    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
-
-
-def _unflatten(values, context) -> KeyedTensor:
-    keys, lengths, key_dim = context
-    return KeyedTensor(keys, lengths, values[0], key_dim)
-
-
-def _flatten_spec(kt: KeyedTensor, spec) -> list[Tensor]:
-    """The values in the spec's key order (an exported program's input whose keys come in
-    another order)."""
-    keys = spec.context[0]
-    return [kt.values() if kt.keys() == keys else _regroup([kt], [keys])[0]]
-
-
-torch.utils._pytree.register_pytree_node(KeyedTensor, _flatten, _unflatten,
-                                         serialized_type_name="embfuse.KeyedTensor")
-torch.fx._pytree.register_pytree_flatten_spec(KeyedTensor, _flatten_spec)

@@ -1,0 +1,63 @@
+"""pytree registrations of the jagged classes: torch.export and torch.compile take and return
+them. Tensors are the leaves; keys, strides and widths the spec."""
+
+import torch
+import torch.fx._pytree
+import torch.utils._pytree
+from torch import Tensor
+
+from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
+from embfuse.sparse.keyed_tensor import KeyedTensor
+
+
+def _jt_flatten(jt: JaggedTensor):
+    return [jt.values(), jt.weights_or_none(), jt.lengths(), jt.offsets_or_none()], None
+
+
+def _jt_unflatten(leaves, context) -> JaggedTensor:
+    values, weights, lengths, offsets = leaves
+    return JaggedTensor(values, weights, lengths=lengths, offsets=offsets)
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor):
+    inverse = kjt.inverse_indices_or_none()
+    leaves = [kjt.values(), kjt.weights_or_none(), kjt.lengths(), kjt.offsets_or_none(),
+              None if inverse is None else inverse[1]]
+    return leaves, (kjt.keys(), kjt.stride(), kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+                    None if inverse is None else inverse[0])
+
+
+def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
+    values, weights, lengths, offsets, inverse = leaves
+    keys, stride, spkpr, inverse_keys = context
+    return KeyedJaggedTensor(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
+                             stride_per_key_per_rank=spkpr,
+                             inverse_indices=None if inverse_keys is None else (inverse_keys, inverse))
+
+
+def _kt_flatten(kt: KeyedTensor):
+    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _kt_unflatten(values, context) -> KeyedTensor:
+    keys, lengths, key_dim = context
+    return KeyedTensor(keys, lengths, values[0], key_dim)
+
+
+def _kt_flatten_spec(kt: KeyedTensor, spec) -> list[Tensor]:
+    """The values in the spec's key order (an exported program's input whose keys come in
+    another order)."""
+    keys = spec.context[0]
+    return [kt.values() if kt.keys() == keys else KeyedTensor.regroup([kt], [keys])[0]]
+
+
+def register() -> None:
+    """Register the three classes (once: embfuse.sparse does it on import)."""
+    for cls, flatten, unflatten in ((JaggedTensor, _jt_flatten, _jt_unflatten),
+                                    (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten)):
+        torch.utils._pytree.register_pytree_node(cls, flatten, unflatten,
+                                                 serialized_type_name=f"embfuse.{cls.__name__}")
+        torch.fx._pytree.register_pytree_flatten_spec(cls, lambda t, spec, flatten=flatten: flatten(t)[0])
+    torch.utils._pytree.register_pytree_node(KeyedTensor, _kt_flatten, _kt_unflatten,
+                                             serialized_type_name="embfuse.KeyedTensor")
+    torch.fx._pytree.register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)
