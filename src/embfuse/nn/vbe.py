@@ -1,6 +1,6 @@
-"""Variable batch size per feature (TorchRec's VBE) in EmbeddingBagCollection's forward: the
-batch padded to one stride for the usual launches, then each output sample given the pooled
-row its inverse index names."""
+"""Variable batch size per feature (TorchRec's VBE) in the collections: the batch padded to one
+stride for the usual launches; in EmbeddingBagCollection's forward, each output sample then
+given the pooled row its inverse index names."""
 
 from __future__ import annotations
 

@@ -63,6 +63,9 @@ CHECK_BLOCK = 1024
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
 # left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")
 CHECK_WARPS = 8
+# entries a program of the variable-batch padding (ops/vbe.py): an elementwise pass of a few
+# hundred thousand entries, the check's block size, not tuned on its own
+PAD_BLOCK = 1024
 
 
 def check_chunks(n: int) -> int:

@@ -2,8 +2,9 @@
 feature's lengths padded to one stride, and the pooled row each output sample takes.
 
 `meta` (int64, 3F, on the device): each feature's stride (its samples), the first entry of its
-lengths, and its row of the inverse indices. Two launches replace about twelve torch ops, each of
-which cost the host 13-70 us an H100 call (benchmarks/NOTES.md, session 16).
+lengths, and its row of the inverse indices. One launch for the lengths and one for the rows
+replace about twelve torch ops, each of which cost the host 13-70 us an H100 call
+(benchmarks/NOTES.md, session 16).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def pad_variable_batch(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor,
         Bo = inverse.shape[-1]
         rows = torch.empty((Bo, F), dtype=torch.int64, device=lengths.device)
         parts.append((rows, F * Bo, True))
-    block = tuning.CHECK_BLOCK
+    block = tuning.PAD_BLOCK
     for out, n, is_rows in parts:
         if n:
             launch(_pad_kernel)[(cdiv(n, block),)](lengths, lengths if inverse is None else inverse, meta, out, F,

@@ -1,6 +1,6 @@
 """KeyedTensor: the pooled outputs of several features side by side (TorchRec's), with its
 regroup functions. torch.fx traces through all of it as TorchRec's does: a KeyedTensor made
-from traced values is one node (ProxyableClassMeta), and regroup / regroup_as_dict of traced
+from traced values is one node (sparse/tracing.py), and regroup / regroup_as_dict of traced
 KeyedTensors one call each (torch.fx.wrap)."""
 
 from __future__ import annotations
