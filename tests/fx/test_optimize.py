@@ -322,14 +322,14 @@ def test_one_copy_and_no_sync_on_the_gpu():
 
 
 def test_compiled_training_equals_eager_optimize():
-    """torch.compile of an optimized model: the dense part compiles, the batched lookup (and its
-    fused update) runs eagerly between the compiled regions; training gives the same tables."""
+    """torch.compile(fullgraph=True) of an optimized model with a fused optimizer: the batched
+    lookup and its update are ops of the graph; training gives the same tables."""
     sizes = [30, 40]
     model = EagerModel(sizes, 4, hidden=(8,))
     ids, offsets = eager_batch(sizes, 4, 2)
     plain = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.SGD(lr=0.1))
     compiled = embfuse.fx.optimize(model, (ids, offsets), optimizer=embfuse.optim.SGD(lr=0.1))
-    run = torch.compile(compiled)
+    run = torch.compile(compiled, fullgraph=True)
     for _ in range(2):
         plain(ids, offsets).sum().backward()
         run(ids, offsets).sum().backward()
@@ -551,3 +551,35 @@ def test_dict_batches_trace_and_batch():
     fast = embfuse.fx.optimize(model, (batch,))
     assert any(r.startswith("batched 3") for r in fast.embfuse_report)
     torch.testing.assert_close(fast(batch), model(batch), **TOL)
+
+
+def test_compiled_embedding_batches_train_as_eager():
+    """The plain-lookup batches under torch.compile(fullgraph=True) with a fused optimizer (and
+    an nn.Embedding left alone beside them, trained by its gradient)."""
+    g = torch.Generator().manual_seed(9)
+    model = Sequences("cpu")
+    args = (torch.randint(0, 50, (5, 7), generator=g), torch.randint(0, 30, (5,), generator=g),
+            torch.randint(0, 20, (5,), generator=g), torch.randint(0, 20, (5, 3), generator=g))
+    plain = embfuse.fx.optimize(model, args, optimizer=embfuse.optim.Adagrad(lr=0.1))
+    compiled = embfuse.fx.optimize(model, args, optimizer=embfuse.optim.Adagrad(lr=0.1))
+    run = torch.compile(compiled, fullgraph=True)
+    for _ in range(2):
+        plain(*args).sum().backward()
+        run(*args).sum().backward()
+    for name in ("history", "candidate", "other"):
+        torch.testing.assert_close(compiled.get_submodule(name).weight, plain.get_submodule(name).weight, **TOL)
+    assert not torch.equal(plain.get_submodule("history").weight, model.history.weight)
+    assert plain.get_submodule("padded").weight.grad is not None
+    torch.testing.assert_close(compiled.get_submodule("padded").weight.grad, plain.get_submodule("padded").weight.grad,
+                               **TOL)
+
+
+def test_opcheck_of_the_staging_ops():
+    from embfuse.fx.passes.lookups import _stage_op
+    from embfuse.fx.staging import _staged_copy_op
+
+    ids = [torch.tensor([1, 2, 3]), torch.tensor([[4, 5], [6, 7]])]
+    torch.library.opcheck(_stage_op, ("a\nb", ids, [torch.tensor([0, 2]), None], [], 2, torch.device("cpu")))
+    torch.library.opcheck(_stage_op, ("a\nb", ids, [torch.tensor([0, 2]), None], [torch.rand(3), torch.rand(4)], 2,
+                                      torch.device("cpu")))
+    torch.library.opcheck(_staged_copy_op, (ids, torch.device("cpu")))

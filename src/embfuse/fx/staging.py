@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from embfuse._triton import tracing
+
 ALIGN = 16  # bytes: every part starts where a 16-byte vector load may begin
 PARALLEL_BYTES = 1 << 22  # below this a copy is not worth a thread hand-off
 _POOL: list[ThreadPoolExecutor] = []
@@ -92,12 +94,12 @@ class Staging:
         return [self._view(moved, *part) for part in self._layout]
 
 
-@torch.compiler.disable
 def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
     """`tuple(t.to(device) for t in tensors)` with one copy for all the host tensors among them
     (from pinned memory: the host does not wait for the GPU, as it does for a pageable copy).
     Tensors already on `device`, and host tensors that require grad (their copy must stay on
-    the autograd graph), go by `.to()` as before; the rest share one pinned staging copy."""
+    the autograd graph), go by `.to()` as before; the rest share one pinned staging copy (inside
+    a torch.compile graph, an opaque op of it)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -106,11 +108,27 @@ def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:
     staged = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not t.requires_grad]
     if not staged:
         return tuple(t.to(device) for t in tensors)
-    staging = Staging([(tensors[i].dtype, tensors[i].numel()) for i in staged])
-    copy_all([(host.view(tensors[i].shape), tensors[i]) for host, i in zip(staging.host, staged)])
     out = list(tensors)
     for i in set(range(len(tensors))) - set(staged):
         out[i] = tensors[i].to(device)
-    for moved, i in zip(staging.to(device), staged):
-        out[i] = moved.view(tensors[i].shape)
+    moved = (_staged_copy_op if tracing() else _staged_copy)([tensors[i] for i in staged], device)
+    for i, t in zip(staged, moved):
+        out[i] = t
     return tuple(out)
+
+
+def _staged_copy(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Host tensors through one pinned buffer and one copy; views of the copy on `device`."""
+    staging = Staging([(t.dtype, t.numel()) for t in tensors])
+    copy_all([(host.view(t.shape), t) for host, t in zip(staging.host, tensors)])
+    return [moved.view(t.shape) for moved, t in zip(staging.to(device), tensors)]
+
+
+@torch.library.custom_op("embfuse::staged_copy", mutates_args=())
+def _staged_copy_op(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    return [t.clone() for t in _staged_copy(tensors, device)]  # (an op's outputs may not share storage)
+
+
+@_staged_copy_op.register_fake
+def _(tensors, device):
+    return [t.new_empty(t.shape, device=device) for t in tensors]

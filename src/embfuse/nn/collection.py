@@ -17,8 +17,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from embfuse import _handles
 from embfuse._triton import needs_op
-from embfuse.nn.modules import FusedModule
+from embfuse.nn.modules import FusedModule, fused_table
 from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
 from embfuse._triton import use_kernels
@@ -135,6 +136,19 @@ def embedding_names_by_table(tables) -> list[list[str]]:
     return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
 
 
+@torch.compiler.assume_constant_result
+def _build_plan(collection: int, keys: tuple, device: str) -> bool:
+    """Make and keep a collection's Plan for (keys, device) if it has none: plain Python even
+    while torch.compile traces (a Plan is host data and device constants, not graph work); the
+    arguments are trace constants (`collection`: its _handles name)."""
+    collection = _handles.lookup(collection)
+    key = (keys, torch.device(device))
+    if key not in collection._plans:
+        collection._plans[key] = collection._new_plan(keys, key[1])
+        _handles.register(collection._plans[key])
+    return True
+
+
 class _Collection(FusedModule, torch.nn.Module):
     """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
 
@@ -175,8 +189,14 @@ class _Collection(FusedModule, torch.nn.Module):
         self.weights = torch.nn.Parameter(torch.empty(self._starts[-1], dtype=dtypes.pop(), device=device))
         self.reset_parameters()
         self._plans = {}
+        _handles.register(self)
         self._vbe_ring = PinnedRing()  # (variable batches: their small per-feature host data)
         self._init_fused(bounds_check, optimizer)
+
+    def _plan(self, keys: list[str], device) -> Plan:
+        """The Plan of a batch with these keys (its features in this order), made once."""
+        _build_plan(self._embfuse_handle, tuple(keys), str(device))  # (first: a trace sees _plans as it is then)
+        return self._plans[(tuple(keys), device)]
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -213,6 +233,7 @@ class _Collection(FusedModule, torch.nn.Module):
         for name, tensor in state.items():
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = FusedOptimizer(optimizer, 0, 0, self.weights.device, state=state)
+        fused_table(self.weights)
 
     # --- TorchRec's state_dict keys ---
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -362,12 +383,8 @@ class EmbeddingBagCollection(_Collection):
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self.tables
 
-    def _plan(self, keys: list[str], device) -> Plan:
-        key = (tuple(keys), device)
-        if key not in self._plans:
-            self._plans[key] = Plan(self._shapes, [self._feature[k] for k in keys], device,
-                                    [self._safe.get(k) for k in keys])
-        return self._plans[key]
+    def _new_plan(self, keys, device) -> Plan:
+        return Plan(self._shapes, [self._feature[k] for k in keys], device, [self._safe.get(k) for k in keys])
 
     def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True):
         """The batch restricted to this collection's features and checked (validate_collection;
@@ -488,11 +505,8 @@ class EmbeddingCollection(_Collection):
         """Whether each output JaggedTensor carries its ids as its weights (TorchRec's)."""
         return self._need_indices
 
-    def _plan(self, keys: list[str], device) -> Plan:
-        key = (tuple(keys), device)
-        if key not in self._plans:
-            self._plans[key] = Plan(self._shapes, [(self._table_of[k], "sum", 0) for k in keys], device)
-        return self._plans[key]
+    def _new_plan(self, keys, device) -> Plan:
+        return Plan(self._shapes, [(self._table_of[k], "sum", 0) for k in keys], device)
 
     def set_optimizer(self, optimizer) -> None:
         super().set_optimizer(optimizer)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from typing import Optional
 
+from embfuse import _handles
 from embfuse._triton import needs_op
 from embfuse.ops import embedding, embedding_bag
 from embfuse.ops.embedding_bag import lookup_bags
@@ -22,7 +23,14 @@ from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, sparse_layout
 from embfuse.optim.lookup import FusedOptimizer, fused_embedding, fused_embedding_bag
 
 
-class FusedModule:
+def fused_table(weight: torch.nn.Parameter) -> None:
+    """A table the backward updates in place gets no gradient: it asks for none (requires_grad
+    False), so torch optimizers and DDP pass it over, and torch.compile (2.11) lets the compiled
+    backward write it (AOTAutograd refuses in-place writes to leaves that require grad)."""
+    weight.requires_grad_(False)
+
+
+class FusedModule(_handles.Named):
     """What every embfuse module with `optimizer=` shares: the fused optimizer, its state
     buffers (moved by .to(), kept fp32 by .half()) and its step count in the state_dict."""
 
@@ -43,6 +51,8 @@ class FusedModule:
         for name, tensor in fused.state.items():
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = fused
+        fused_table(self.weight)
+
 
     def _apply(self, fn, recurse=True):
         """module.to() / .cuda() move the optimizer state; .half() / .double() / .to(dtype)

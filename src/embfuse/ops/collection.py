@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from embfuse import _handles
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
@@ -28,7 +29,7 @@ from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
 
 
-class Plan:
+class Plan(_handles.Named):
     """What the kernels need to know about a collection's features, on one device.
 
     tables: (rows, dim) of each table; features: (table index, pooling, first output column)

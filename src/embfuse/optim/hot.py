@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from embfuse import _handles
 from embfuse._triton import cdiv, launch, next_pow2, tl, triton
 from embfuse.ops.bags import (K_DIM, K_KEY_START, K_OUT_COL, K_POOL, K_ROW_START, ROW_START, backward_inputs,
                               bag_of_value, bag_scale, program_bags)
@@ -45,7 +46,7 @@ from embfuse.optim.fused import fused_update
 HOT_CAP = 2048
 
 
-class HotRows:
+class HotRows(_handles.Named):
     """The hot set of a collection's tables: `slot[r]` the slot (0..k-1) of global row r in
     its table's hot set, or -1; `keys[t, s]` the sort key (see Layout) of table t's row in slot
     s, or -1. Taken from a batch every `refresh` steps by `maybe_refresh`; used for batches of
@@ -60,6 +61,7 @@ class HotRows:
         self.keys = torch.full((num_tables, self.width), -1, dtype=torch.int64, device=device)
         self.taken_at = None  # the step whose batch gave the hot set
         self.partial_meta = {}  # (plan, splits, row width) -> src_meta of the partial sums
+        _handles.register(self)  # (a compiled step names it)
 
     def maybe_refresh(self, values, offsets, plan, B, step):
         """Take the hot set from this batch at the first step, `refresh` steps after the last

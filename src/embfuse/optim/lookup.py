@@ -5,15 +5,23 @@ grad makes autograd call the backward, which updates the touched rows in place. 
 reads the ids saved by the forward, so a batch rejected by validation never reaches it, and one
 whose deferred check fails on the device updates nothing (its kernels read the check's status):
 weights and state stay bitwise unchanged, and the host undoes the step count when it learns of it.
+
+Eager calls run `_Fused` (an autograd.Function); inside torch.compile graphs the same `_Call`s
+run as three opaque ops (`embfuse::fused_lookup`, its backward `embfuse::fused_update_`, which
+declares the table and state it writes, and the per-sample weights' gradient), so a training
+step with a fused optimizer compiles with fullgraph=True.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from embfuse._triton import use_kernels
+from embfuse import _handles
+from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import pool_collection
 from embfuse.ops.deferred import known_good
@@ -25,7 +33,7 @@ from embfuse.optim.hot import hot_update
 from embfuse.optim.rules import init_state
 
 
-class FusedOptimizer:
+class FusedOptimizer(_handles.Named):
     """An optimizer bound to one table (or a collection's flat buffer): fp32 state, step count."""
 
     def __init__(self, optimizer, num_embeddings: int, dim: int, device, state=None):
@@ -33,6 +41,11 @@ class FusedOptimizer:
         self.state = init_state(optimizer, num_embeddings, dim, device) if state is None else state
         self.step = 0
         self.anchor = torch.ones((), requires_grad=True)
+        self.calls = {}  # this optimizer's _Calls
+        _handles.register(self)  # (named in traced graphs)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "calls": {}}  # (a copy makes its own calls)
 
     @contextlib.contextmanager
     def stepping(self, check):
@@ -70,88 +83,220 @@ def _status(check):
     return None if check is None else check.status
 
 
-class _FusedBag(torch.autograd.Function):
+# ---- one class a kind of lookup: its forward, the gradients of its inputs, its update ----
+
+_KINDS = {}  # kind name -> _Call subclass (trace constants are names, not classes)
+
+
+class _Call(_handles.Named):
+    """What a fused lookup needs besides its tensors (the optimizer, a plan, modes). `handle`
+    names it inside torch.compile graphs, whose ops take tensors and numbers only: see
+    `_fused_lookup_op`. One a (kind, arguments) per optimizer, kept for the optimizer's life."""
+
+    saves_out = False
+
+    def __init_subclass__(cls):
+        _KINDS[cls.__name__] = cls
+
+    def __init__(self, fused, *static):
+        self.fused, self.static = fused, static
+        self.handle = _handles.register(self)
+
+    def input_grads(self, weight, tensors, out, grad, status):
+        return [None] * len(tensors)
+
+
+class _BagCall(_Call):
+    """One table, CSR bags: tensors (indices, offsets, per-sample weights or None)."""
+
+    saves_out = True  # the weights' gradient under sqrtn / wmean reads the output
+
+    def forward(self, weight, tensors, status, size):
+        indices, offsets, psw = tensors
+        mode, padding_idx = self.static
+        return pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=status)[0]
+
+    def out_shape(self, weight, tensors, size):
+        return (tensors[1].shape[0] - 1, weight.shape[1])
+
+    def input_grads(self, weight, tensors, out, grad, status):
+        """The per-sample weights' gradient, taken before the rows change."""
+        indices, offsets, psw = tensors
+        mode, padding_idx = self.static
+        return [None, None, per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status, mode,
+                                                    out)]
+
+    def update(self, weight, state, tensors, grad, status, step, size):
+        indices, offsets, psw = tensors
+        mode, padding_idx = self.static
+        if offsets.numel() > 1:
+            ids, bag, scale = table_backward_inputs(indices, offsets, psw, mode, padding_idx, *weight.shape,
+                                                    status=status, dtype=accumulation(weight))
+            apply_sparse_update(weight, state, self.fused.optimizer, ids, grad.contiguous(), bag, scale, step,
+                                padding_idx)
+
+
+class _EmbeddingCall(_Call):
+    """Plain rows: tensors (1-D ids, keep-mask or None: rows not kept read as zeros, None)."""
+
+    def forward(self, weight, tensors, status, size):
+        ids, keep, _ = tensors
+        out = gather(weight, ids, status)
+        return out if keep is None else torch.where(keep.reshape(-1, 1), out, 0)
+
+    def out_shape(self, weight, tensors, size):
+        return (tensors[0].shape[0], weight.shape[1])
+
+    def update(self, weight, state, tensors, grad, status, step, size):
+        ids, keep, _ = tensors
+        ids = guarded_ids(ids, status)
+        if keep is not None:
+            ids = torch.where(keep.reshape(-1), ids, -1)
+        apply_sparse_update(weight, state, self.fused.optimizer, ids, grad.contiguous(), None, None, step,
+                            self.static[0])
+
+
+class _CollectionCall(_Call):
+    """A collection's flat buffer: tensors (values, offsets, weights or None); `size`: B."""
+
+    def forward(self, weights, tensors, status, size):
+        values, offsets, psw = tensors
+        return pool_collection(weights, values, offsets, psw, self.static[0], size, status)
+
+    def out_shape(self, weights, tensors, size):
+        return (size, self.static[0].total_dim)
+
+    def update(self, weights, state, tensors, grad, status, step, size):
+        values, offsets, psw = tensors
+        plan, hot = self.static
+        # the hot-row path reads the host (see optim/hot.py): never while a CUDA graph is
+        # captured; it reads the check's status first (its passes index by id)
+        if (hot is not None and psw is None and values.numel() >= hot.min_values and use_kernels(weights)
+                and weights.dtype != torch.float64 and not torch.cuda.is_current_stream_capturing()):
+            if known_good(status):
+                hot.maybe_refresh(values, offsets, plan, size, step)
+                hot_update(weights, list(state.values()), self.fused.optimizer, values, offsets, plan, size,
+                           grad.contiguous(), step, hot)
+        else:
+            collection_update(weights, state, self.fused.optimizer, values, offsets, psw, plan, size, grad, step,
+                              status=status)
+
+
+def _call(kind, fused: FusedOptimizer, *static) -> _Call:
+    # static: modes and ints by value, objects (a plan, a hot-row set) by identity, kept alive by the call
+    key = (kind, *(v if v is None or isinstance(v, (int, str)) else id(v) for v in static))
+    call = fused.calls.get(key)
+    if call is None:
+        call = fused.calls[key] = kind(fused, *static)
+    return call
+
+
+@torch.compiler.assume_constant_result
+def _handle(kind: str, fused: int, *static) -> int:
+    """`_call(...).handle` from trace constants (_handles.as_constant), a constant of the graph."""
+    return _call(_KINDS[kind], _handles.lookup(fused), *map(_handles.from_constant, static)).handle
+
+
+class _Fused(torch.autograd.Function):
+    """Eager calls: the forward of `call`; the backward takes the inputs' gradients, then
+    updates the rows in place under the optimizer's step count."""
+
     @staticmethod
-    def forward(ctx, anchor, weight, indices, offsets, psw, mode, padding_idx, fused, check):
-        out, _ = pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=_status(check))
-        ctx.save_for_backward(indices, offsets, psw, out)
-        ctx.weight, ctx.mode, ctx.padding_idx, ctx.fused, ctx.check = weight, mode, padding_idx, fused, check
+    def forward(ctx, anchor, weight, call, check, size, *tensors):
+        out = call.forward(weight, tensors, _status(check), size)
+        ctx.save_for_backward(*tensors, out if call.saves_out else None)
+        ctx.weight, ctx.call, ctx.check, ctx.size = weight, call, check, size
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        indices, offsets, psw, out = ctx.saved_tensors
-        status = _status(ctx.check)
-        grad_psw = None
-        if psw is not None and ctx.needs_input_grad[4]:  # before the rows change
-            grad_psw = per_sample_weights_grad(grad, ctx.weight, indices, offsets, psw, ctx.padding_idx, status,
-                                               ctx.mode, out)
-        fused = ctx.fused
-        with fused.stepping(ctx.check) as step:
-            if step is not None and offsets.numel() > 1:
-                ids, bag, scale = table_backward_inputs(indices, offsets, psw, ctx.mode, ctx.padding_idx,
-                                                        *ctx.weight.shape, status=status,
-                                                        dtype=accumulation(ctx.weight))
-                apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), bag, scale,
-                                    step, ctx.padding_idx)
-        return None, None, None, None, grad_psw, None, None, None, None
-
-
-class _FusedEmbedding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, weight, ids, keep, padding_idx, fused, check):
-        ctx.save_for_backward(ids, keep)
-        ctx.weight, ctx.padding_idx, ctx.fused, ctx.check = weight, padding_idx, fused, check
-        out = gather(weight, ids, _status(check))
-        return out if keep is None else torch.where(keep.reshape(-1, 1), out, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ids, keep = ctx.saved_tensors
-        fused = ctx.fused
-        with fused.stepping(ctx.check) as step:
+        *tensors, out = ctx.saved_tensors
+        call, status = ctx.call, _status(ctx.check)
+        grads = [None] * len(tensors)
+        if any(ctx.needs_input_grad[5:]):
+            grads = call.input_grads(ctx.weight, tensors, out, grad, status)
+        with call.fused.stepping(ctx.check) as step:
             if step is not None:
-                ids = guarded_ids(ids, _status(ctx.check))
-                if keep is not None:
-                    ids = torch.where(keep.reshape(-1), ids, -1)
-                apply_sparse_update(ctx.weight, fused.state, fused.optimizer, ids, grad.contiguous(), None, None,
-                                    step, ctx.padding_idx)
-        return None, None, None, None, None, None, None
+                call.update(ctx.weight, call.fused.state, tensors, grad, status, step, ctx.size)
+        return (None,) * 5 + tuple(grads)
 
 
-class _FusedCollection(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, weights, values, offsets, psw, plan, B, fused, hot, check):
-        ctx.save_for_backward(values, offsets, psw)
-        ctx.weights, ctx.plan, ctx.B, ctx.fused, ctx.hot, ctx.check = weights, plan, B, fused, hot, check
-        return pool_collection(weights, values, offsets, psw, plan, B, _status(check))
+def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):  # (three tensors)
+    """Run a fused lookup: eagerly through `_Fused`, and inside torch.compile graphs (or any
+    tracing) as the opaque ops below, which carry the same calls."""
+    if tracing():
+        handle = _handle(kind.__name__, fused._embfuse_handle, *map(_handles.as_constant, static))
+        return _fused_lookup_op(fused.anchor, weight, list(fused.state.values()), *tensors, _status(check), handle,
+                                size)
+    return _Fused.apply(fused.anchor, weight, _call(kind, fused, *static), check, size, *tensors)
 
-    @staticmethod
-    def backward(ctx, grad):
-        values, offsets, psw = ctx.saved_tensors
-        fused, weights, hot, status = ctx.fused, ctx.weights, ctx.hot, _status(ctx.check)
-        with fused.stepping(ctx.check) as step:
-            if step is None:
-                pass
-            # the hot-row path reads the host (see optim/hot.py): eager steps only, never while a
-            # CUDA graph is captured; it reads the check's status first (its passes index by id)
-            elif (hot is not None and psw is None and values.numel() >= hot.min_values and use_kernels(weights)
-                    and weights.dtype != torch.float64 and not torch.cuda.is_current_stream_capturing()):
-                if known_good(status):
-                    hot.maybe_refresh(values, offsets, ctx.plan, ctx.B, step)
-                    hot_update(weights, list(fused.state.values()), fused.optimizer, values, offsets, ctx.plan,
-                               ctx.B, grad.contiguous(), step, hot)
-            else:
-                collection_update(weights, fused.state, fused.optimizer, values, offsets, psw, ctx.plan, ctx.B,
-                                  grad, step, status=status)
-        return (None,) * 10
+
+# ---- the traced form: opaque ops, so the host's step count and plans stay Python ----
+# The forward op's backward is an op that mutates the table and its state: AOTAutograd keeps it
+# in the compiled backward. Inside a graph the check is only its status: a batch found bad later
+# updates nothing, but its step is counted (eager calls take it back; see FusedOptimizer.stepping).
+
+@torch.library.custom_op("embfuse::fused_lookup", mutates_args=())
+def _fused_lookup_op(anchor: Tensor, weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
+                     third: Optional[Tensor], status: Optional[Tensor], handle: int, size: int) -> Tensor:
+    """A call's tensors in three slots: (ids, offsets, per-sample weights) or (ids, keep, None)."""
+    return _handles.lookup(handle).forward(weight, (first, second, third), status, size)
+
+
+@_fused_lookup_op.register_fake
+def _(anchor, weight, state, first, second, third, status, handle, size):
+    return weight.new_empty(_handles.lookup(handle).out_shape(weight, (first, second, third), size))
+
+
+@torch.library.custom_op("embfuse::fused_lookup_input_grad", mutates_args=())
+def _input_grad_op(weight: Tensor, first: Tensor, second: Optional[Tensor], third: Tensor, out: Optional[Tensor],
+                   grad: Tensor, status: Optional[Tensor], handle: int) -> Tensor:
+    """The gradient of a bag lookup's per-sample weights (`third`)."""
+    return _handles.lookup(handle).input_grads(weight, (first, second, third), out, grad, status)[2]
+
+
+@_input_grad_op.register_fake
+def _(weight, first, second, third, out, grad, status, handle):
+    return torch.empty_like(third)
+
+
+@torch.library.custom_op("embfuse::fused_update_", mutates_args=("weight", "state"))
+def _update_op(weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
+               third: Optional[Tensor], grad: Tensor, status: Optional[Tensor], handle: int, size: int) -> None:
+    call = _handles.lookup(handle)
+    with call.fused.stepping(None) as step:
+        call.update(weight, dict(zip(call.fused.state, state)), (first, second, third), grad, status, step, size)
+
+
+@_update_op.register_fake
+def _(weight, state, first, second, third, grad, status, handle, size):
+    return None
+
+
+def _setup(ctx, inputs, output):
+    anchor, weight, state, first, second, third, status, handle, size = inputs
+    out = output if _handles.lookup(handle).saves_out else None
+    ctx.save_for_backward(weight, first, second, third, status, out, *state)
+    ctx.handle, ctx.size = handle, size
+
+
+def _backward(ctx, grad):
+    weight, first, second, third, status, out, *state = ctx.saved_tensors
+    grad_third = None
+    if ctx.needs_input_grad[5]:  # (before the rows change)
+        grad_third = _input_grad_op(weight, first, second, third, out, grad, status, ctx.handle)
+    _update_op(weight, state, first, second, third, grad.contiguous(), status, ctx.handle, ctx.size)
+    return None, None, [None] * len(state), None, None, grad_third, None, None, None
+
+
+_fused_lookup_op.register_autograd(_backward, setup_context=_setup)
 
 
 def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offsets, psw, plan, B, hot=None,
                                    check=None):
     """`embedding_bag_collection` whose backward updates `weights` with `fused` (the hot rows
     of `hot`, a HotRows, densely: optim/hot.py); `check`: the batch's deferred Check."""
-    return _FusedCollection.apply(fused.anchor, weights.detach(), values, offsets, psw, plan, B, fused, hot, check)
+    return _lookup(_CollectionCall, fused, (plan, hot), weights.detach(), check, B, values, offsets, psw)
 
 
 def _unsupported(scale_grad_by_freq, sparse, mode="sum"):
@@ -169,7 +314,7 @@ def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_
     indices, offsets, psw, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx, bounds_check, name)
-    return _FusedBag.apply(fused.anchor, weight.detach(), indices, offsets, psw, mode, padding_idx, fused, check)
+    return _lookup(_BagCall, fused, (mode, padding_idx), weight.detach(), check, 0, indices, offsets, psw)
 
 
 def fused_embedding(fused: FusedOptimizer, input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
@@ -179,5 +324,5 @@ def fused_embedding(fused: FusedOptimizer, input, weight, padding_idx=None, max_
     `check`: a deferred Check already made for these ids (EmbeddingCollection's), if any."""
     _unsupported(scale_grad_by_freq, sparse)
     flat, keep, padding_idx, own = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
-    out = _FusedEmbedding.apply(fused.anchor, weight.detach(), flat, keep, padding_idx, fused, check or own)
+    out = _lookup(_EmbeddingCall, fused, (padding_idx,), weight.detach(), check or own, 0, flat, keep, None)
     return out.view(*input.shape, weight.shape[1])

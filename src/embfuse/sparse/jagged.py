@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from embfuse._triton import tracing
 from embfuse.ops.errors import BadCountsError
 from embfuse.sparse.tracing import Traceable
 
@@ -61,7 +62,8 @@ class _Jagged(metaclass=Traceable):
             if weights.shape[:1] != values.shape[:1]:
                 raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
                                  f"{tuple(values.shape)} (one weight a value, or a row a row of values)")
-        if offsets is not None and offsets.device.type == "cpu" and offsets.numel():
+        # (inside a traced graph the offsets are data: the lookup's check finds what this would)
+        if offsets is not None and offsets.device.type == "cpu" and offsets.numel() and not tracing():
             dec = (offsets[1:] < offsets[:-1]).nonzero()
             if int(offsets[0]) != 0 or dec.numel():
                 at = 0 if int(offsets[0]) != 0 else int(dec[0]) + 1
@@ -247,8 +249,8 @@ class KeyedJaggedTensor(_Jagged):
         self._stride = stride
         self._bounds = list(itertools.accumulate(self._stride_per_key, initial=0))  # each key's lengths
         self._length_per_key = length_per_key
-        if self._lengths.device.type == "cpu":
-            self.validate()  # host lengths: the sums cost no device read
+        if self._lengths.device.type == "cpu" and not tracing():
+            self.validate()  # host lengths: the sums cost no device read (traced: the lookup's check)
 
     # TorchRec's own ComputeKJTToJTDict module passes this (its to_dict cache) on: embfuse keeps none
     _jt_dict = None

@@ -17,12 +17,14 @@ feature into one pinned buffer on the host (global offsets and all) and copies i
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.fx
 from torch import Tensor
 
-from embfuse.fx.staging import Staging, copy_all, end_to_end
+from embfuse._triton import tracing
+from embfuse.fx.staging import Staging, copy_all, copy_to_device, end_to_end
 from embfuse.fx.views import TableView, hide_shown
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.ops.errors import BadBatchError
@@ -87,8 +89,7 @@ class LookupBatch(_Batch):
                                                                 optimizer=optimizer))
         self.weighted = weighted
 
-    @torch.compiler.disable  # host packing, then one lookup: nothing for a compiler to fuse (and the
-    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:  # fused update runs eagerly)
+    def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> Tensor:
         return self.collection(self.features(ids, offsets, weights)).values()
 
     def features(self, ids: tuple, offsets: tuple, weights: tuple) -> KeyedJaggedTensor:
@@ -97,7 +98,12 @@ class LookupBatch(_Batch):
         B = _batch_size(self.names, ids, offsets)
         parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
         if all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts):
-            values, offs, psw = _stage(self.names, ids, offsets, weights if self.weighted else None, B, device)
+            psw = weights if self.weighted else None
+            if tracing():
+                values, offs, *psw = _stage_op("\n".join(self.names), ids, offsets, psw or [], B, device)
+            else:
+                values, offs, *psw = _stage(self.names, ids, offsets, psw, B, device)
+            psw = psw[0] if psw else None
         else:
             values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
         return KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
@@ -114,14 +120,16 @@ class EmbeddingBatch(_Batch):
                   for n, m in zip(names, modules)]
         super().__init__(names, modules, EmbeddingCollection(tables, device=w.device, optimizer=optimizer))
 
-    @torch.compiler.disable
     def forward(self, ids: tuple) -> tuple:
         device = self.collection.weights.device
         for name, i in zip(self.names, ids):
             if i.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"feature {name!r}: ids must be int32 or int64, got {i.dtype}")
         dtype, bases = _index_dtype(ids, ()), _bases(ids)
-        if all(i.device.type == "cpu" for i in ids):  # one bag a feature: its offsets are the counts
+        if tracing():  # host ids in one staged copy, an op of the graph; the counts a graph constant
+            values = torch.cat([i.reshape(-1).to(dtype) for i in copy_to_device(ids, device)])
+            offsets = torch.tensor(bases, dtype=dtype, device=device)
+        elif all(i.device.type == "cpu" for i in ids):  # one bag a feature: its offsets are the counts
             staging = Staging([(dtype, bases[-1]), (dtype, len(ids) + 1)])
             copy_all(end_to_end(staging.host[0], ids))
             staging.host[1].copy_(torch.tensor(bases, dtype=dtype))
@@ -168,10 +176,10 @@ def _local_offsets(i: Tensor, o: Tensor | None, dtype: torch.dtype) -> Tensor:
     return o
 
 
-@torch.compiler.disable
 def _stage(names, ids, offsets, weights, B, device):
     """Host inputs: values, global offsets and weights written into one (pinned) buffer, checked
-    on the host (no device read: the data is here), copied once to a GPU."""
+    on the host (no device read: the data is here), copied once to a GPU: [values, offsets] and
+    the weights if any."""
     dtype, bases, N = _index_dtype(ids, offsets), _bases(ids), len(ids)
     parts = [(dtype, bases[-1]), (dtype, N * B + 1)]
     if weights is not None:
@@ -188,8 +196,22 @@ def _stage(names, ids, offsets, weights, B, device):
         offs[-1] = bases[-1]
 
     copy_all(pairs, global_offsets)
-    moved = staging.to(device)
-    return moved[0], moved[1], moved[2] if weights is not None else None
+    return staging.to(device)
+
+
+@torch.library.custom_op("embfuse::stage_bags", mutates_args=())
+def _stage_op(names: str, ids: list[Tensor], offsets: list[Optional[Tensor]], weights: list[Tensor], B: int,
+              device: torch.device) -> list[Tensor]:
+    """`_stage` as an op of a torch.compile graph: names joined by newlines, no weights: []."""
+    out = _stage(names.split("\n"), ids, offsets, weights or None, B, device)
+    return [t.clone() for t in out]  # (an op's outputs may not share storage)
+
+
+@_stage_op.register_fake
+def _(names, ids, offsets, weights, B, device):
+    dtype, n = _index_dtype(ids, offsets), sum(i.numel() for i in ids)
+    out = [torch.empty(n, dtype=dtype, device=device), torch.empty(len(ids) * B + 1, dtype=dtype, device=device)]
+    return out + [torch.empty(n, dtype=weights[0].dtype, device=device)] if weights else out
 
 
 def _check_offsets(names, grid: Tensor, bases: list[int]) -> None:
