@@ -62,3 +62,17 @@ def as_constant(value):
 
 def from_constant(value):
     return lookup(value[1]) if isinstance(value, tuple) else value
+
+
+# names (features, tables) passed to a torch.library op as one string: ops take no list of
+# strings. Not joined by newlines: Inductor copies op arguments into comment lines of the code it
+# generates, and a newline there ends the comment (a SyntaxError, torch 2.11).
+NAME_SEPARATOR = "\t"
+
+
+def join_names(names) -> str:
+    return NAME_SEPARATOR.join(names)
+
+
+def split_names(joined: str) -> list[str]:
+    return joined.split(NAME_SEPARATOR)

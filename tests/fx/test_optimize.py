@@ -579,7 +579,7 @@ def test_opcheck_of_the_staging_ops():
     from embfuse.fx.staging import _staged_copy_op
 
     ids = [torch.tensor([1, 2, 3]), torch.tensor([[4, 5], [6, 7]])]
-    torch.library.opcheck(_stage_op, ("a\nb", ids, [torch.tensor([0, 2]), None], [], 2, torch.device("cpu")))
-    torch.library.opcheck(_stage_op, ("a\nb", ids, [torch.tensor([0, 2]), None], [torch.rand(3), torch.rand(4)], 2,
+    torch.library.opcheck(_stage_op, ("a\tb", ids, [torch.tensor([0, 2]), None], [], 2, torch.device("cpu")))
+    torch.library.opcheck(_stage_op, ("a\tb", ids, [torch.tensor([0, 2]), None], [torch.rand(3), torch.rand(4)], 2,
                                       torch.device("cpu")))
     torch.library.opcheck(_staged_copy_op, (ids, torch.device("cpu")))

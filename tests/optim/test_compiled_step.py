@@ -162,3 +162,24 @@ def test_a_copied_module_compiles_to_its_own_tables():
     torch.compile(twin, fullgraph=True)(*Collection.batch(g, "cpu")).backward()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not torch.equal(twin.ebc.weights, model.ebc.weights)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_replays_the_fused_step():
+    """mode="reduce-overhead" (Inductor's CUDA graphs): warm-up, capture, then replays, each of
+    which updates the tables as an eager step does. (A replay leaves the host's step count where
+    the capture left it: SGD does not read it.)"""
+    def run(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Collection(SGD(lr=0.1), "cuda")
+        step = torch.compile(model, fullgraph=True, mode="reduce-overhead") if compiled else model
+        batch = Collection.batch(torch.Generator().manual_seed(1), "cuda")  # one shape: one graph
+        for _ in range(5):
+            # (a dense .grad kept across steps would be a graph output the next replay overwrites)
+            model.zero_grad(set_to_none=True)
+            step(*batch).backward()
+        embfuse.check_errors()
+        return model.ebc.weights.detach().clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)

@@ -179,8 +179,8 @@ class DeviceLog:
     call `seq`. status: device int32 pairs, one a slot, reused round the ring; the check of
     call k clears the pair of call k + 1, so no call spends a launch on zeroing. A call whose
     status must outlive the next RING calls (an autograd backward reads it later) gets a fresh
-    zeroed pair instead, as do calls inside a CUDA-graph capture or torch.compile graph, which
-    take their ring slots from a second half that eager calls never use."""
+    zeroed pair instead. Calls inside a CUDA-graph capture or torch.compile graph take their ring
+    slots, and pairs zeroed at each replay, from a second half that eager calls never use."""
 
     RING = 4096
 
@@ -191,6 +191,9 @@ class DeviceLog:
         self.status = torch.zeros(self.RING, 2, dtype=torch.int32, device=device)
         self.rows = list(self.status.unbind(0))
         self.scratch = torch.zeros(2, dtype=torch.int32, device=device)  # what graph checks "clear"
+        # graph checks' pairs, made here: a pair made inside a capture would live in the graph's
+        # memory pool, which Inductor's CUDA graphs (mode="reduce-overhead") refuse to leave held
+        self.graph_rows = list(torch.zeros(self.RING, 2, dtype=torch.int32, device=device).unbind(0))
         self.seq = 0
         self.pending = collections.deque()
         self.graph_checks = []  # checks captured into CUDA graphs: reported at every poll
@@ -206,7 +209,9 @@ class DeviceLog:
             slot = self.next_graph_slot
             self.next_graph_slot = self.RING + (slot + 1 - self.RING) % self.RING
             self.host[slot] = 0
-            check = Check(torch.zeros(2, dtype=torch.int32, device=self.device), seq, slot, raise_error, what)
+            status = self.graph_rows[slot - self.RING]
+            status.zero_()  # (inside a capture: at every replay)
+            check = Check(status, seq, slot, raise_error, what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
@@ -287,6 +292,16 @@ def device_log(device) -> DeviceLog:
     if log is None:
         log = _LOGS[device] = DeviceLog(device)
     return log
+
+
+@torch.compiler.assume_constant_result
+def prepare_log(device: str) -> bool:
+    """Make a GPU's log while a graph is traced (plain Python then), not when the graph first
+    runs: Inductor's CUDA graphs (mode="reduce-overhead") run a graph's first call inside their
+    memory pool, where the log's tensors must not be made."""
+    if device.startswith("cuda"):
+        device_log(device)
+    return True
 
 
 def check_errors() -> None:

@@ -34,8 +34,9 @@ import torch
 
 from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value
+from embfuse._handles import join_names, split_names
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
-                                  run_check, traced_mode)
+                                  prepare_log, run_check, traced_mode)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
@@ -231,10 +232,11 @@ def _check_ids_op(indices: torch.Tensor, offsets: Optional[torch.Tensor], num_em
                   name: str, given: int, bounds_check: str) -> torch.Tensor:
     """validate_bags / validate_ids as one opaque op for torch.compile graphs: the status."""
     if offsets is None:
-        _, check = validate_ids(indices.view(shape), num_embeddings, name=name, bounds_check=bounds_check)
-    else:
+        _, check = validate_ids(indices.view(shape), num_embeddings, name=name, bounds_check=bounds_check,
+                                fresh=False)
+    else:  # (ring pairs, as in _check_bags_op)
         *_, check = validate_bags(indices, offsets, num_embeddings, shape=torch.Size(shape), name=name,
-                                  bounds_check=bounds_check, given_offsets=given if given >= 0 else None)
+                                  bounds_check=bounds_check, given_offsets=given if given >= 0 else None, fresh=False)
     return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=indices.device)
 
 
@@ -258,6 +260,7 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         return remap_ids(indices, None, None, 1, remap, num_embeddings, out), offsets, per_sample_weights, None
     shape = indices.shape if shape is None else shape
     if tracing():
+        prepare_log(str(indices.device))
         status = _check_ids_op(indices, offsets, num_embeddings, list(shape), name,
                                -1 if given_offsets is None else given_offsets, traced_mode(bounds_check))
         return indices, offsets, per_sample_weights, TracedCheck(status)
@@ -284,6 +287,7 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
         return None, None
     flat = indices.reshape(-1)
     if tracing():
+        prepare_log(str(flat.device))
         status = _check_ids_op(flat, None, num_embeddings, list(indices.shape), name, -1, traced_mode(bounds_check))
         return None, TracedCheck(status)
     check, keep = _validate(
@@ -323,8 +327,9 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     if bounds_check == "off":
         return remap_ids(values, offsets, limits, B, remap, out=out), offsets, psw, None
     if tracing():
-        return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, "\n".join(keys),
-                                                                "\n".join(tables), traced_mode(bounds_check)))
+        prepare_log(str(values.device))
+        return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, join_names(keys),
+                                                                join_names(tables), traced_mode(bounds_check)))
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
                                     out)
     if keep is None:
@@ -378,8 +383,10 @@ def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fr
 def _check_bags_op(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Tensor, B: int, keys: str, tables: str,
                    bounds_check: str) -> torch.Tensor:
     """validate_collection as one opaque op for torch.compile graphs: the check's status (keys
-    and table names joined by newlines: an op takes no list of strings)."""
-    check = _check_collection(values, offsets, limits, B, keys.split("\n"), tables.split("\n"), bounds_check, True,
+    and table names joined by _handles.join_names: an op takes no list of strings)."""
+    # (a ring pair, not a fresh one: the op returns a copy, and a pair made here would outlive the
+    # call in the host's list, which Inductor's CUDA graphs refuse in their memory pool)
+    check = _check_collection(values, offsets, limits, B, split_names(keys), split_names(tables), bounds_check, False,
                               None)[0]
     return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=values.device)
 

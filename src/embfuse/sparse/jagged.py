@@ -87,9 +87,14 @@ class _Jagged(metaclass=Traceable):
         return self._lengths
 
     def offsets(self) -> Tensor:
-        if self._offsets is None:
-            self._offsets = _offsets_of(self._lengths)
-        return self._offsets
+        if self._offsets is not None:
+            return self._offsets
+        offsets = _offsets_of(self._lengths)
+        # a traced graph computes them every call: kept on the batch, they would be a compiled
+        # graph's output (under CUDA graphs, memory the next replay writes over)
+        if not tracing():
+            self._offsets = offsets
+        return offsets
 
     # TorchRec's accessors that do not compute: lengths always exist here (made from offsets at
     # construction), offsets only once asked for

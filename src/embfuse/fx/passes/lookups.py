@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
+from embfuse._handles import join_names, split_names
 from embfuse._triton import tracing
 from embfuse.fx.staging import Staging, copy_all, copy_to_device, end_to_end
 from embfuse.fx.views import TableView, hide_shown
@@ -100,7 +101,7 @@ class LookupBatch(_Batch):
         if all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts):
             psw = weights if self.weighted else None
             if tracing():
-                values, offs, *psw = _stage_op("\n".join(self.names), ids, offsets, psw or [], B, device)
+                values, offs, *psw = _stage_op(join_names(self.names), ids, offsets, psw or [], B, device)
             else:
                 values, offs, *psw = _stage(self.names, ids, offsets, psw, B, device)
             psw = psw[0] if psw else None
@@ -202,8 +203,8 @@ def _stage(names, ids, offsets, weights, B, device):
 @torch.library.custom_op("embfuse::stage_bags", mutates_args=())
 def _stage_op(names: str, ids: list[Tensor], offsets: list[Optional[Tensor]], weights: list[Tensor], B: int,
               device: torch.device) -> list[Tensor]:
-    """`_stage` as an op of a torch.compile graph: names joined by newlines, no weights: []."""
-    out = _stage(names.split("\n"), ids, offsets, weights or None, B, device)
+    """`_stage` as an op of a torch.compile graph: names joined by _handles.join_names, no weights: []."""
+    out = _stage(split_names(names), ids, offsets, weights or None, B, device)
     return [t.clone() for t in out]  # (an op's outputs may not share storage)
 
 
