@@ -193,6 +193,8 @@ def test_torchrecs_constructors():
 
 def test_torchrecs_accessors_that_do_not_compute():
     kjt = KeyedJaggedTensor(["a", "b", "a"], torch.arange(6), torch.rand(6), offsets=torch.tensor([0, 1, 3, 3, 4, 6, 6]))
+    assert kjt.lengths_or_none() is None  # made from offsets: lengths once asked for (TorchRec's)
+    assert torch.equal(kjt.lengths(), torch.tensor([1, 2, 0, 1, 2, 0]))
     assert torch.equal(kjt.lengths_or_none(), torch.tensor([1, 2, 0, 1, 2, 0]))
     assert torch.equal(kjt.offsets_or_none(), torch.tensor([0, 1, 3, 3, 4, 6, 6]))
     assert KeyedJaggedTensor(["a"], torch.arange(2), lengths=torch.tensor([2])).offsets_or_none() is None

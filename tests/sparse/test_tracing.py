@@ -103,6 +103,14 @@ def test_pytree_round_trips():
     jt = JaggedTensor(torch.arange(3), offsets=torch.tensor([0, 1, 3]))
     back = pytree.tree_unflatten(*pytree.tree_flatten(jt))
     assert back.lengths().tolist() == [1, 2] and back.offsets().tolist() == [0, 1, 3]
+    # made from offsets, it stays so (lengths_or_none() None); a spec saved before the inverse
+    # indices were a leaf has four children
+    kjt = KeyedJaggedTensor(["a"], torch.arange(3), offsets=torch.tensor([0, 1, 3]))
+    leaves, spec = pytree.tree_flatten(kjt)
+    children = [spec.child(i) for i in range(4)] if hasattr(spec, "child") else spec.children_specs[:4]  # (2.11)
+    older = pytree.TreeSpec(spec.type, spec.context, children)
+    back = pytree.tree_unflatten(leaves[:4], older)
+    assert back.lengths_or_none() is None and back.offsets().tolist() == [0, 1, 3] and back.keys() == ["a"]
 
 
 def test_empty_counts_of_any_dtype_are_taken_and_other_float_counts_refused():

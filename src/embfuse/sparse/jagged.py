@@ -33,7 +33,7 @@ class _Jagged(metaclass=Traceable):
 
     _values: Tensor
     _weights: Optional[Tensor]
-    _lengths: Tensor
+    _lengths: Optional[Tensor]
     _offsets: Optional[Tensor]
 
     def _set(self, values, weights, lengths, offsets):
@@ -70,7 +70,7 @@ class _Jagged(metaclass=Traceable):
                 raise ValueError(f"{kind}: offsets must start at 0 and never decrease; offsets[{at}] = "
                                  f"{int(offsets[at])}")
         self._values, self._weights, self._offsets = values, weights, offsets
-        self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+        self._lengths = lengths  # (None when made from offsets: lengths() computes them when asked)
 
     def values(self) -> Tensor:
         return self._values
@@ -83,8 +83,17 @@ class _Jagged(metaclass=Traceable):
     def weights_or_none(self) -> Optional[Tensor]:
         return self._weights
 
+    def _lengths_now(self) -> Tensor:
+        """lengths() without keeping them (construction-time checks leave lengths_or_none() as it was)."""
+        return self._lengths if self._lengths is not None else self._offsets[1:] - self._offsets[:-1]
+
     def lengths(self) -> Tensor:
-        return self._lengths
+        if self._lengths is not None:
+            return self._lengths
+        lengths = self._offsets[1:] - self._offsets[:-1]
+        if not tracing():  # (kept, as offsets are: not from inside a traced graph)
+            self._lengths = lengths
+        return lengths
 
     def offsets(self) -> Tensor:
         if self._offsets is not None:
@@ -96,8 +105,7 @@ class _Jagged(metaclass=Traceable):
             self._offsets = offsets
         return offsets
 
-    # TorchRec's accessors that do not compute: lengths always exist here (made from offsets at
-    # construction), offsets only once asked for
+    # TorchRec's accessors that do not compute: what the batch was made with, or has computed since
     def lengths_or_none(self) -> Optional[Tensor]:
         return self._lengths
 
@@ -152,28 +160,28 @@ class JaggedTensor(_Jagged):
         def move(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return JaggedTensor(move(self._values), move(self._weights), lengths=move(self._lengths),
+        return JaggedTensor(move(self._values), move(self._weights), lengths=move(self.lengths()),
                             offsets=move(self._offsets))
 
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample."""
-        return list(torch.split(self._values, self._lengths.tolist()))
+        return list(torch.split(self._values, self.lengths().tolist()))
 
     def to_dense_weights(self) -> Optional[list[Tensor]]:
         """One weights tensor per sample (None without weights)."""
-        return None if self._weights is None else list(torch.split(self._weights, self._lengths.tolist()))
+        return None if self._weights is None else list(torch.split(self._weights, self.lengths().tolist()))
 
     def to_padded_dense(self, desired_length: Optional[int] = None, padding_value: float = 0.0) -> Tensor:
         """(B, L, ...): sample b's values in row b, cut or padded with `padding_value` to L =
         `desired_length` (default: the longest sample, a host read)."""
-        return _padded(self._values, self.offsets(), self._lengths, desired_length, padding_value)
+        return _padded(self._values, self.offsets(), self.lengths(), desired_length, padding_value)
 
     def to_padded_dense_weights(self, desired_length: Optional[int] = None,
                                 padding_value: float = 0.0) -> Optional[Tensor]:
         """to_padded_dense of the weights (None without weights)."""
         if self._weights is None:
             return None
-        return _padded(self._weights, self.offsets(), self._lengths, desired_length, padding_value)
+        return _padded(self._weights, self.offsets(), self.lengths(), desired_length, padding_value)
 
     @staticmethod
     def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
@@ -198,7 +206,7 @@ class JaggedTensor(_Jagged):
         return JaggedTensor(cat, None if weights is None else torch.cat(list(weights), dim=0), lengths=lengths)
 
     def __repr__(self) -> str:
-        return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
+        return f"JaggedTensor(values={self._values}, lengths={self.lengths()})"
 
     def __str__(self) -> str:
         """TorchRec's layout: each sample's values as a list (and weights, when there are)."""
@@ -225,7 +233,7 @@ class KeyedJaggedTensor(_Jagged):
         self._keys = list(keys)
         self._set(values, weights, lengths, offsets)
         F = len(self._keys)
-        n = self._lengths.numel()
+        n = self._lengths_now().numel()
         self._stride_per_key_per_rank = None
         self._inverse_indices = inverse_indices
         if stride_per_key_per_rank is not None:
@@ -254,7 +262,8 @@ class KeyedJaggedTensor(_Jagged):
         self._stride = stride
         self._bounds = list(itertools.accumulate(self._stride_per_key, initial=0))  # each key's lengths
         self._length_per_key = length_per_key
-        if self._lengths.device.type == "cpu" and not tracing():
+        counts = self._offsets if self._lengths is None else self._lengths
+        if counts.device.type == "cpu" and not tracing():
             self.validate()  # host lengths: the sums cost no device read (traced: the lookup's check)
 
     # TorchRec's own ComputeKJTToJTDict module passes this (its to_dict cache) on: embfuse keeps none
@@ -279,9 +288,9 @@ class KeyedJaggedTensor(_Jagged):
                 n = self._values.shape[0]
                 self._length_per_key = [n // F + (f == 0) * (n % F) for f in range(F)]
             elif not self.variable_stride_per_key():
-                self._length_per_key = self._lengths.reshape(F, self._stride).sum(1).tolist() if F else []
+                self._length_per_key = self.lengths().reshape(F, self._stride).sum(1).tolist() if F else []
             else:
-                ends = torch.cat([self._lengths.new_zeros(1, dtype=torch.int64), self._lengths.long().cumsum(0)])
+                ends = torch.cat([self.lengths().new_zeros(1, dtype=torch.int64), self.lengths().long().cumsum(0)])
                 at = ends[torch.tensor(self._bounds, device=ends.device)]
                 self._length_per_key = (at[1:] - at[:-1]).tolist()
         return self._length_per_key
@@ -386,7 +395,7 @@ class KeyedJaggedTensor(_Jagged):
         """Each key's JaggedTensor, by position (keys may repeat). A key without samples has no
         offsets either, as JaggedTensor.empty (TorchRec's)."""
         return [JaggedTensor(self._values[vs], None if self._weights is None else self._weights[vs],
-                             lengths=self._lengths[ls], offsets=None if ls.stop > ls.start else self._lengths[ls])
+                             lengths=self.lengths()[ls], offsets=None if ls.stop > ls.start else self.lengths()[ls])
                 for _, ls, vs in self._key_slices()]
 
     def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
@@ -416,7 +425,7 @@ class KeyedJaggedTensor(_Jagged):
             vs = slice(opk[start], opk[start + size])
             out.append(KeyedJaggedTensor(
                 keys, self._values[vs], None if self._weights is None else self._weights[vs],
-                lengths=self._lengths[at[start]:at[start + size]], stride=self._stride,
+                lengths=self.lengths()[at[start]:at[start + size]], stride=self._stride,
                 length_per_key=lpk[start:start + size],
                 stride_per_key_per_rank=None if spkpr is None else spkpr[start:start + size]))
             start += size
@@ -429,7 +438,7 @@ class KeyedJaggedTensor(_Jagged):
         return KeyedJaggedTensor(
             [self._keys[i] for i in indices], torch.cat([jt.values() for jt in jts]) if jts else self._values[:0],
             None if self._weights is None else torch.cat([jt.weights() for jt in jts]) if jts else self._weights[:0],
-            lengths=torch.cat([jt.lengths() for jt in jts]) if jts else self._lengths[:0], stride=self._stride,
+            lengths=torch.cat([jt.lengths() for jt in jts]) if jts else self.lengths()[:0], stride=self._stride,
             length_per_key=[self.length_per_key()[i] for i in indices],
             stride_per_key_per_rank=None if self._stride_per_key_per_rank is None else
             [self._stride_per_key_per_rank[i] for i in indices])
@@ -447,7 +456,7 @@ class KeyedJaggedTensor(_Jagged):
 
     # --- moving ---
     def _tensors(self):
-        return [t for t in (self._values, self._lengths, self._weights) if t is not None]
+        return [t for t in (self._values, self.lengths(), self._weights) if t is not None]
 
     def pin_memory(self) -> "KeyedJaggedTensor":
         """The KJT in pinned host memory, packed as `to` packs it (one buffer, 16-byte aligned
@@ -504,7 +513,7 @@ class KeyedJaggedTensor(_Jagged):
         if self._weights is not None and self._weights.shape != self._values.shape[:1]:
             raise ValueError(f"weights has shape {tuple(self._weights.shape)}; values has "
                              f"{tuple(self._values.shape)}")
-        lengths = self._lengths
+        lengths = self._lengths_now()
         neg, total = (lengths < 0).any(), lengths.sum()
         neg, total = torch.stack([neg.long(), total.long()]).tolist()
         if neg:
@@ -537,13 +546,13 @@ class KeyedJaggedTensor(_Jagged):
     def to_torchrec(self):
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchRecKJT
 
-        return TorchRecKJT(keys=self._keys, values=self._values, weights=self._weights, lengths=self._lengths,
+        return TorchRecKJT(keys=self._keys, values=self._values, weights=self._weights, lengths=self.lengths(),
                            stride=self._stride, stride_per_key_per_rank=self._stride_per_key_per_rank,
                            inverse_indices=self._inverse_indices)
 
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values}, "
-                f"lengths={self._lengths}, weights={self._weights})")
+                f"lengths={self.lengths()}, weights={self._weights})")
 
     def __str__(self) -> str:
         """TorchRec's layout: per key, each sample's values (and weights) as lists."""

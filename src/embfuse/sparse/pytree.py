@@ -11,7 +11,7 @@ from embfuse.sparse.keyed_tensor import KeyedTensor
 
 
 def _jt_flatten(jt: JaggedTensor):
-    return [jt.values(), jt.weights_or_none(), jt.lengths(), jt.offsets_or_none()], None
+    return [jt.values(), jt.weights_or_none(), jt.lengths_or_none(), jt.offsets_or_none()], None
 
 
 def _jt_unflatten(leaves, context) -> JaggedTensor:
@@ -21,14 +21,15 @@ def _jt_unflatten(leaves, context) -> JaggedTensor:
 
 def _kjt_flatten(kjt: KeyedJaggedTensor):
     inverse = kjt.inverse_indices_or_none()
-    leaves = [kjt.values(), kjt.weights_or_none(), kjt.lengths(), kjt.offsets_or_none(),
+    leaves = [kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none(),
               None if inverse is None else inverse[1]]
     return leaves, (kjt.keys(), kjt.stride(), kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
                     None if inverse is None else inverse[0])
 
 
 def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
-    values, weights, lengths, offsets, inverse = leaves
+    values, weights, lengths, offsets, *rest = leaves  # (a spec saved without the inverse indices: 4)
+    inverse = rest[0] if rest else None
     keys, stride, spkpr, inverse_keys = context
     return KeyedJaggedTensor(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
                              stride_per_key_per_rank=spkpr,
