@@ -149,7 +149,7 @@ def _build_plan(collection: int, keys: tuple, device: str) -> bool:
     return True
 
 
-class _Collection(FusedModule, torch.nn.Module):
+class _Collection(FusedModule, _handles.Named, torch.nn.Module):
     """Shared by both collections: the flat buffer, the per-table views, the state_dict keys."""
 
     _prefix = ""  # "embedding_bags" / "embeddings"

@@ -14,7 +14,6 @@ from torch import Tensor
 
 from typing import Optional
 
-from embfuse import _handles
 from embfuse._triton import needs_op
 from embfuse.ops import embedding, embedding_bag
 from embfuse.ops.embedding_bag import lookup_bags
@@ -30,7 +29,7 @@ def fused_table(weight: torch.nn.Parameter) -> None:
     weight.requires_grad_(False)
 
 
-class FusedModule(_handles.Named):
+class FusedModule:
     """What every embfuse module with `optimizer=` shares: the fused optimizer, its state
     buffers (moved by .to(), kept fp32 by .half()) and its step count in the state_dict."""
 
@@ -52,7 +51,6 @@ class FusedModule(_handles.Named):
             self.register_buffer(f"optimizer_{name}", tensor)
         self._fused = fused
         fused_table(self.weight)
-
 
     def _apply(self, fn, recurse=True):
         """module.to() / .cuda() move the optimizer state; .half() / .double() / .to(dtype)

@@ -88,10 +88,8 @@ class _Jagged(metaclass=Traceable):
         return self._lengths if self._lengths is not None else self._offsets[1:] - self._offsets[:-1]
 
     def lengths(self) -> Tensor:
-        if self._lengths is not None:
-            return self._lengths
-        lengths = self._offsets[1:] - self._offsets[:-1]
-        if not tracing():  # (kept, as offsets are: not from inside a traced graph)
+        lengths = self._lengths_now()
+        if self._lengths is None and not tracing():  # (kept, as offsets are: not from inside a traced graph)
             self._lengths = lengths
         return lengths
 
@@ -233,7 +231,7 @@ class KeyedJaggedTensor(_Jagged):
         self._keys = list(keys)
         self._set(values, weights, lengths, offsets)
         F = len(self._keys)
-        n = self._lengths_now().numel()
+        n = self._lengths.numel() if self._lengths is not None else max(self._offsets.numel() - 1, 0)
         self._stride_per_key_per_rank = None
         self._inverse_indices = inverse_indices
         if stride_per_key_per_rank is not None:
