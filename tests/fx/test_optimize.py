@@ -336,6 +336,22 @@ def test_compiled_training_equals_eager_optimize():
     torch.testing.assert_close(compiled.get_submodule("embs.1").weight, plain.get_submodule("embs.1").weight, **TOL)
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_inference_keeps_the_pooled_chain_in_the_graph(device):
+    """The lookup with LayerNorm + tanh in its epilogue (PooledChain) under
+    torch.compile(fullgraph=True) and no_grad: the eager model's output."""
+    sizes = [30, 40, 25]
+    model = EagerModel(sizes, 4, hidden=(8,), device=device)
+    ids, offsets = eager_batch(sizes, 5, 3)
+    fast = embfuse.fx.optimize(model, (ids, offsets))
+    assert any("pooling kernel" in r for r in fast.embfuse_report), fast.embfuse_report
+    run = torch.compile(fast, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(run(ids, offsets), model(ids, offsets), **TOL)
+        ids2, offsets2 = eager_batch(sizes, 5, 3, torch.Generator().manual_seed(7))
+        torch.testing.assert_close(run(ids2, offsets2), model(ids2, offsets2), **TOL)
+
 def test_copy_all_spreads_large_copies_over_threads():
     from embfuse.fx.staging import copy_all
 

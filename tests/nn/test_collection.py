@@ -178,6 +178,30 @@ def test_opcheck_and_compile():
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_lookup_is_an_op_and_compiles(device):
+    """forward_layer_norm's lookup (the chain in the pooling kernel's epilogue on a GPU) passes
+    opcheck and stays in one torch.compile(fullgraph=True) graph, with the eager result."""
+    configs = [EmbeddingBagConfig(30, 8, "a", feature_names=["f0", "f1"]),
+               EmbeddingBagConfig(20, 8, "b", feature_names=["f2"], pooling="mean")]
+    ebc = EmbeddingBagCollection(configs, device=device)
+    lengths = torch.randint(0, 4, (15,))
+    lengths[6] = 0  # an empty bag: its row is the LayerNorm's bias through tanh
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.randint(0, 20, (int(lengths.sum()),)),
+                            lengths=lengths).to(device)
+    P = ebc._plan(kjt.keys(), ebc.weights.device)
+    w, b = torch.rand(3, 8, device=device) + 0.5, torch.randn(3, 8, device=device)
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection_layer_norm,
+                          (ebc.weights.detach(), kjt.values(), kjt.offsets(), None, None, P.meta, w, b, 5,
+                           P.total_dim, P.max_dim, P.layout.vec, P.weight_sums, P.skips, 1e-5, "tanh"))
+    with torch.no_grad():
+        want = ebc.forward_layer_norm(kjt, w, b, activation="tanh")
+        x = ebc(kjt).values().view(5, 3, 8)
+        torch.testing.assert_close(want, torch.tanh(torch.nn.functional.layer_norm(x, (8,)) * w + b).flatten(1))
+        got = torch.compile(lambda k: ebc.forward_layer_norm(k, w, b, activation="tanh"), fullgraph=True)(kjt)
+    torch.testing.assert_close(got, want)
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_embedding_collection_with_a_fused_optimizer(device):
     ts = [EmbeddingConfig(num_embeddings=20, embedding_dim=4, name="user", feature_names=["uid"]),

@@ -22,9 +22,8 @@ from embfuse._triton import needs_op
 from embfuse.nn.modules import FusedModule, fused_table
 from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
-from embfuse._triton import use_kernels
 from embfuse.ops.chain import layer_norm_act
-from embfuse.ops.collection import Plan, collection_forward, embedding_bag_collection, ranked_rows, table_view
+from embfuse.ops.collection import Plan, collection_layer_norm, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
 from embfuse.ops.safe import POOLING, safe_bags, safe_rule
 from embfuse.ops.embedding import lookup_rows
@@ -452,15 +451,15 @@ class EmbeddingBagCollection(_Collection):
     def forward_layer_norm(self, features: KeyedJaggedTensor, weight: Optional[Tensor], bias: Optional[Tensor],
                            eps: float = 1e-5, activation: str = "none") -> Tensor:
         """`forward(features).values()` seen as (B, F, D), through embfuse.ops.chain's
-        `layer_norm_act` (weight, bias: (F, D) or None), flattened back to (B, F * D). On a GPU,
-        for inference (no autograd), every feature D wide (D <= 256): in the pooling kernel's
-        epilogue, one launch and one write. Elsewhere: the lookup, then the chain kernel."""
+        `layer_norm_act` (weight, bias: (F, D) or None), flattened back to (B, F * D). For
+        inference (no autograd), every feature D wide (D <= 256): one op (on a GPU the chain in
+        the pooling kernel's epilogue, one launch and one write). Otherwise: the lookup, then
+        the chain."""
         dims = set(self._dims)
         D = self._dims[0] if len(dims) == 1 else 0
         recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                    for t in (self.weights, weight, bias))
-        if (recorded or self._fused_now() is not None or not use_kernels(self.weights) or not 0 < D <= 256
-                or self.weights.dtype == torch.float64 or features.variable_stride_per_key()):
+        if recorded or self._fused_now() is not None or not 0 < D <= 256 or features.variable_stride_per_key():
             x = self(features).values()
             return layer_norm_act(x.view(x.shape[0], -1, max(dims)), weight, bias, eps, activation).flatten(1)
         F = len(self.embedding_names)
@@ -470,10 +469,8 @@ class EmbeddingBagCollection(_Collection):
                                  f"{tuple(t.shape)} on {t.device}")
         B, plan, values, offsets, psw, check, resident = self._checked(features, fresh=False, trains=False)
         with window(resident):
-            return collection_forward(self.weights, values, offsets, psw, plan.meta, B, plan.total_dim,
-                                      plan.max_dim, plan.layout.vec, status=None if check is None else check.status,
-                                      weight_sums=plan.weight_sums, epilogue=(weight, bias, eps, activation),
-                                      skips=plan.skips)
+            return collection_layer_norm(self.weights, values, offsets, psw, plan, B,
+                                         None if check is None else check.status, weight, bias, eps, activation)
 
 
 class EmbeddingCollection(_Collection):

@@ -23,7 +23,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               accumulation,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, pool_bag, pool_norm)
-from embfuse.ops.chain import ACTIVATIONS, chain_activation
+from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
 from embfuse.ops.segments import Layout, reduce_segments, table_starts
 from embfuse.ops import tuning
@@ -312,6 +312,43 @@ def _autograd_backward(ctx, grad):
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _layer_norm_body(weights, values, offsets, per_sample_weights, status, meta, ln_weight, ln_bias, B, total_dim,
+                     max_dim, vec, weight_sums, skips, eps, activation):
+    if use_kernels(weights) and weights.dtype != torch.float64:
+        return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
+                                  status=status, weight_sums=weight_sums, epilogue=(ln_weight, ln_bias, eps, activation),
+                                  skips=skips)
+    x = _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
+    return layer_norm_act_reference(x.view(B, -1, max_dim), ln_weight, ln_bias, eps, activation).view(B, total_dim)
+
+
+@kernel_op("embfuse::embedding_bag_collection_layer_norm", mutates_args=())
+def _collection_layer_norm_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                              status: Optional[Tensor], meta: Tensor, ln_weight: Optional[Tensor],
+                              ln_bias: Optional[Tensor], B: int, total_dim: int, max_dim: int, vec: int,
+                              weight_sums: bool, skips: bool, eps: float, activation: str) -> Tensor:
+    return _layer_norm_body(weights, values, offsets, per_sample_weights, status, meta, ln_weight, ln_bias, B,
+                            total_dim, max_dim, vec, weight_sums, skips, eps, activation)
+
+
+@_collection_layer_norm_op.register_fake
+def _(weights, values, offsets, per_sample_weights, status, meta, ln_weight, ln_bias, B, total_dim, max_dim, vec,
+      weight_sums, skips, eps, activation):
+    return weights.new_empty(B, total_dim)
+
+
+def collection_layer_norm(weights: Tensor, values: Tensor, offsets: Tensor, psw: Optional[Tensor], plan: Plan, B: int,
+                          status: Optional[Tensor], ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float,
+                          activation: str) -> Tensor:
+    """For inference (no autograd): the pooled lookup, each pooled row leaving through LayerNorm
+    (ln_weight, ln_bias: (F, D) or None) + `activation`; in the pooling kernel's epilogue on a
+    GPU (every feature D wide, D <= 256). An op under tracing (torch.compile keeps it in its
+    graph); eager calls skip the op's dispatch."""
+    run = _collection_layer_norm_op if tracing() else _layer_norm_body
+    return run(weights, values, offsets, psw, status, plan.meta, ln_weight, ln_bias, B, plan.total_dim, plan.max_dim,
+               plan.layout.vec, plan.weight_sums, plan.skips, float(eps), activation)
 
 
 def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],

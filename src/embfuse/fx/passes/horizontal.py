@@ -187,13 +187,9 @@ class PooledChain(torch.nn.Module):
         if torch.is_grad_enabled():
             return self.chain(self.batch(ids, offsets, weights))
         eps, act = _one_op(self.chain.ops)
-        return _pooled_chain(self.batch, self.chain, ids, offsets, weights, eps, act)
-
-
-@torch.compiler.disable
-def _pooled_chain(batch, chain, ids, offsets, weights, eps, act):
-    return batch.collection.forward_layer_norm(batch.features(ids, offsets, weights), getattr(chain, "weight_0", None),
-                                               getattr(chain, "bias_0", None), eps, act)
+        return self.batch.collection.forward_layer_norm(self.batch.features(ids, offsets, weights),
+                                                        getattr(self.chain, "weight_0", None),
+                                                        getattr(self.chain, "bias_0", None), eps, act)
 
 
 def _into_the_lookup(gm: torch.fx.GraphModule, out: torch.fx.Node, x: torch.fx.Node, report: list[str]) -> None:
