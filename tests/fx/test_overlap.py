@@ -2,8 +2,10 @@
 not need the lookup and the waits after them, and training through the rewritten graph gives the
 eager model's losses, weights and tables bitwise."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from embfuse.fx import overlap_collectives
 from embfuse.fx.overlap import STAGES
@@ -53,16 +55,22 @@ def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_res
     run_world(_overlap, 2)
 
 
-def _compiled(rank, world):
+def _compiled(rank, world, overlap):
     eager, other = twins(SparseFirst)
-    compiled = torch.compile(other)  # the dense parts compiled, the sharded call run eagerly between them
+    # the dense parts compiled; the sharded call (or the pass's three stages, in the pass's order)
+    # run eagerly between them
+    compiled = torch.compile(overlap_collectives(other) if overlap else other)
+    graphs = []
     for b in batches(rank, 3):
         losses = [m(b) for m in (eager, compiled)]
         for loss in losses:
             loss.backward()
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1], graphs  # batches of other sizes compile nothing again
     assert_trained_alike(eager, other, exact=False)
 
 
-def test_a_model_with_a_sharded_collection_trains_under_torch_compile():
-    run_world(_compiled, 2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_model_with_a_sharded_collection_trains_under_torch_compile(overlap):
+    run_world(_compiled, 2, overlap)

@@ -13,6 +13,11 @@ scheduled by these rules:
   independent of the lookup are split between the two exchanges they can hide.
 Every other node keeps its order, and no node moves before an input: the graph computes what
 the original computes, in the same order per data path (so results are bitwise the same).
+
+Under torch.compile the three stages stay where the pass put them and run eagerly (they read the
+exchange's sizes on the host and hold in-flight work handles); the ops between them compile. The
+collectives are torch.distributed's asynchronous ones, not functional collectives inside the
+graphs: see benchmarks/NOTES.md, session 18.
 """
 
 from __future__ import annotations
@@ -38,14 +43,19 @@ def trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(model, graph, type(model).__name__)
 
 
+# under torch.compile each stage runs eagerly where the pass put it, the ops between two stages
+# compiled: the stages read the host (the exchange's sizes) and hold in-flight work handles
+@torch.compiler.disable
 def _input_dist(module, kjt):
     return module.input_dist(kjt)
 
 
+@torch.compiler.disable
 def _lookup_and_send(module, incoming):
     return module.lookup_and_send(incoming)
 
 
+@torch.compiler.disable
 def _output_wait(module, sent):
     return module.output_wait(sent)
 
