@@ -5,7 +5,7 @@ is there, everything else runs the pure-torch references.
 """
 
 from embfuse.ops import BadBatchError, BadIdError, check_errors, embedding, embedding_bag
-from embfuse.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from embfuse.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, PaddedKeyedJaggedTensor
 from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse import nn, optim, tf
 
@@ -20,5 +20,6 @@ def __getattr__(name: str):
         return importlib.import_module(f"embfuse.{name}")
     raise AttributeError(f"module 'embfuse' has no attribute {name!r}")
 __all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
+           "PaddedKeyedJaggedTensor",
            "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim", "tf",
            "__version__"]

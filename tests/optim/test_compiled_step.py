@@ -183,3 +183,31 @@ def test_reduce_overhead_replays_the_fused_step():
         return model.ebc.weights.detach().clone()
 
     torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_replays_padded_batches_of_any_length():
+    """Batches of other lengths padded to one capacity (PaddedKeyedJaggedTensor): one graph,
+    replayed for every batch, training as the eager steps on the batches themselves do."""
+    from torch._dynamo.utils import counters
+
+    from embfuse.sparse import PaddedKeyedJaggedTensor
+
+    def run(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Collection(SGD(lr=0.1), "cuda")
+        step = torch.compile(model, fullgraph=True, mode="reduce-overhead") if compiled else model
+        g = torch.Generator().manual_seed(1)
+        graphs = []
+        for _ in range(6):
+            (kjt,) = Collection.batch(g, "cpu")
+            batch = PaddedKeyedJaggedTensor.from_kjt(kjt, 64) if compiled else kjt
+            model.zero_grad(set_to_none=True)
+            step(batch.to("cuda")).backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+        embfuse.check_errors()
+        assert graphs[1] == graphs[-1], graphs
+        return model.ebc.weights.detach().clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)

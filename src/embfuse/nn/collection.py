@@ -396,10 +396,13 @@ class EmbeddingBagCollection(_Collection):
         psw = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        if kjt._padded and (plan.rules is not None or (trains and self._hot is not None)):
+            raise NotImplementedError("a padded batch cannot be looked up with TensorFlow's safe rules or trained "
+                                      "with hot_rows; unpad() it")
         resident = None if trains else self._resident(plan, kjt.values(), kjt.offsets(), B)
         values, offsets, psw, check = validate_collection(
-            kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh, remap=resident)
+            kjt.values(), kjt.offsets(), psw, plan.limits, B, keys, [self.tables[self._feature[k][0]].name for k in keys],
+            self.bounds_check, fresh=fresh, remap=resident, tail=kjt._padded)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
                                              None if check is None else check.status, accumulation(self.weights))
@@ -517,6 +520,8 @@ class EmbeddingCollection(_Collection):
         traced = self._traced(features)
         if traced is not None:
             return traced
+        if features._padded:
+            raise NotImplementedError("EmbeddingCollection's outputs have the batch's own sizes: unpad() the batch")
         strides = None  # (features with their own batch sizes: each output keeps its feature's)
         if features.variable_stride_per_key():
             own = dict(zip(features.keys(), features.stride_per_key()))

@@ -264,8 +264,23 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
                             HAS_PADDING: tl.constexpr, NORM_PASS: tl.constexpr, COLD: tl.constexpr,
                             STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """Per value (KEY_START + id, or -1; bag; w / norm). COLD: `values` are sort keys already
-    (-1: taken elsewhere, the hot-row path) and the others are packed from cold_start[bag] on."""
+    (-1: taken elsewhere, the hot-row path) and the others are packed from cold_start[bag] on.
+    The values past the last bag (a padded batch, sparse/padded.py) get key -1, bag 0, scale 0,
+    shared out over the programs (none in a batch without padding)."""
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
+    if not COLD:
+        last = tl.minimum(tl.maximum(tl.load(offsets + FB).to(tl.int64), 0), n)
+        share = (n - last + tl.num_programs(0) - 1) // tl.num_programs(0)
+        if STATUS:  # (a bad batch's values are all shared out below)
+            share = tl.where(tl.load(status) != 0, 0, share)
+        first = last + tl.program_id(0) * share
+        for i in range(0, share, BLOCK * BAGS):
+            p = first + i + tl.arange(0, BLOCK * BAGS)
+            m = (p < first + share) & (p < n)
+            tl.store(keys + p, tl.full([BLOCK * BAGS], -1, keys.dtype.element_ty), mask=m)
+            tl.store(bag_out + p, tl.zeros([BLOCK * BAGS], bag_out.dtype.element_ty), mask=m)
+            if HAS_PSW or HAS_SCALE:
+                tl.store(scale_out + p, tl.zeros([BLOCK * BAGS], tl.float32), mask=m)
     key0 = tl.load(meta + f * stride_m + K_KEY_START, mask=real, other=0)
     pool = tl.load(meta + f * stride_m + K_POOL, mask=real, other=0)
     if STATUS:  # a bad batch: every value gets key -1, the bags splitting [0, n) evenly

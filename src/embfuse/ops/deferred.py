@@ -98,7 +98,7 @@ def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
 @triton.jit(do_not_specialize=["slot", "seq", "F"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
-                       REMAP: tl.constexpr, MAX_ID: tl.constexpr):
+                       REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
@@ -106,8 +106,14 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
     lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
-    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info)."""
+    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info).
+    TAIL: a padded batch (sparse/padded.py): offsets end at most at n, and the values after
+    offsets[FB] belong to no bag and are neither checked nor remapped."""
     pid = tl.program_id(0)
+    if TAIL:
+        real = tl.minimum(tl.maximum(tl.load(offsets + FB).to(tl.int64), 0), n)
+    else:
+        real = n
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
     # the features at every block's first value (and the next program's), searched at once
     j = tl.arange(0, 2 * CHUNKS)
@@ -119,7 +125,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         # lanes count in int32 from the block's first position (int64): the block's bounds
         # and feature starts are scalars clamped to [-1, BLOCK] first
         first = start + c * BLOCK
-        in_values = lane < tl.minimum(n - first, BLOCK).to(tl.int32)
+        in_values = lane < tl.minimum(real - first, BLOCK).to(tl.int32)
         v = tl.load(values + first + lane, mask=in_values, other=0)
         f_first = tl.sum(tl.where(j == c, f_at, 0))
         f_next = tl.sum(tl.where(j == c + 1, f_at, 0))  # the next block's first: at least this one's last
@@ -146,8 +152,12 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
                 last = tl.minimum(FB - first, BLOCK).to(tl.int32)  # lane of offsets[FB], or BLOCK
                 cur = tl.load(offsets + first + lane, mask=lane <= last, other=0).to(tl.int64)
                 nxt = tl.load(offsets + first + lane + 1, mask=lane < last, other=0).to(tl.int64)
+                if TAIL:
+                    bad_end = cur > n
+                else:
+                    bad_end = cur != n
                 bad_off = (((lane < last) & (nxt < cur)) | ((lane == 0) & (first == 0) & (cur != 0))
-                           | ((lane == last) & (cur != n)))
+                           | ((lane == last) & bad_end))
                 bad_off_any = tl.maximum(bad_off_any, bad_off.to(tl.int32))
     if CHECK:
         flags = tl.max(bad_any) * K_BAD_ID + tl.max(bad_off_any) * K_BAD_OFFSETS
@@ -331,8 +341,9 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
         BLOCK=block, CHECK=check is not None, REMAP=resident is not None)
 
 
-def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None):
-    """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check."""
+def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):
+    """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check; `tail`:
+    a padded batch (values past the last offset belong to no bag)."""
     FB = offsets.numel() - 1
     F = max(1, FB // max(B, 1))
     n = values.numel()
@@ -343,7 +354,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         out if out is not None else values, resident.info if resident is not None else values,
         resident.words if resident is not None else values,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
-        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, num_warps=tuning.CHECK_WARPS)
+        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,

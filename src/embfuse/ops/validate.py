@@ -303,12 +303,13 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
 def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
                         limits: torch.Tensor, B: int, keys: list[str], tables: list[str],
                         bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None,
-                        remap=None):
+                        remap=None, tail: bool = False):
     """Check a keyed batch (F * B bags) against its features' tables (limits[f]: rows of feature
     f's table, negated where ids < 0 are allowed: see in_range) in one pass: lengths that are
     non-negative and add up to the values, every id inside its feature's table. Returns (values,
     offsets, per_sample_weights, check) as validate_bags does (`remap` too). Errors name the
-    feature, its table, the position and the sample."""
+    feature, its table, the position and the sample. `tail`: a padded batch (sparse/padded.py),
+    whose lengths add up to at most the values and whose values past them are not checked."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -329,9 +330,9 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     if tracing():
         prepare_log(str(values.device))
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, join_names(keys),
-                                                                join_names(tables), traced_mode(bounds_check)))
+                                                                join_names(tables), traced_mode(bounds_check), tail))
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
-                                    out)
+                                    out, tail)
     if keep is None:
         return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
     values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
@@ -369,30 +370,44 @@ def remap_ids(values, offsets, limits, B, remap, num_embeddings=None, out=None):
     return out
 
 
-def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None, out=None):
+def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None, out=None,
+                      tail=False):
+    def bagged():  # what the host paths read: a padded batch's values that bags hold
+        return _bagged(values, offsets) if tail else values
+
+    def keep():
+        mask = in_range(bagged(), limits, B, offsets)
+        return torch.cat([mask, mask.new_zeros(values.numel() - mask.numel())])  # (the padding goes)
+
     return _validate(
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
-        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out),
-        lambda: _collection_flags_reference(values, offsets, limits, B),
-        functools.partial(_raise_collection, values, offsets, limits, B, keys, tables, bounds_check == "skip"),
-        lambda: in_range(values, limits, B, offsets),
-        lambda: _bad_value_message(values, offsets, limits, B, keys, tables))
+        lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out, tail),
+        lambda: _collection_flags_reference(bagged(), offsets, limits, B),
+        lambda: _raise_collection(bagged(), offsets, limits, B, keys, tables, bounds_check == "skip"),
+        keep, lambda: _bad_value_message(bagged(), offsets, limits, B, keys, tables))
+
+
+def _bagged(values, offsets):
+    """values[:offsets[-1]] (one host read), or all the values when the offsets end past them
+    (the check then reports that)."""
+    end = int(offsets[-1])
+    return values[:end] if 0 <= end <= values.numel() else values
 
 
 @torch.library.custom_op("embfuse::check_bags", mutates_args=())
 def _check_bags_op(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Tensor, B: int, keys: str, tables: str,
-                   bounds_check: str) -> torch.Tensor:
+                   bounds_check: str, tail: bool) -> torch.Tensor:
     """validate_collection as one opaque op for torch.compile graphs: the check's status (keys
     and table names joined by _handles.join_names: an op takes no list of strings)."""
     # (a ring pair, not a fresh one: the op returns a copy, and a pair made here would outlive the
     # call in the host's list, which Inductor's CUDA graphs refuse in their memory pool)
     check = _check_collection(values, offsets, limits, B, split_names(keys), split_names(tables), bounds_check, False,
-                              None)[0]
+                              None, tail=tail)[0]
     return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=values.device)
 
 
 @_check_bags_op.register_fake
-def _(values, offsets, limits, B, keys, tables, bounds_check):
+def _(values, offsets, limits, B, keys, tables, bounds_check, tail):
     return values.new_empty(2, dtype=torch.int32)
 
 

@@ -2,8 +2,9 @@
 
 from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
+from embfuse.sparse.padded import PaddedKeyedJaggedTensor
 from embfuse.sparse import pytree
 
 pytree.register()
 
-__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]
+__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "PaddedKeyedJaggedTensor"]

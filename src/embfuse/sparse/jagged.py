@@ -266,6 +266,7 @@ class KeyedJaggedTensor(_Jagged):
 
     # TorchRec's own ComputeKJTToJTDict module passes this (its to_dict cache) on: embfuse keeps none
     _jt_dict = None
+    _padded = False  # values past the lengths' sum (sparse/padded.py)
 
     # --- TorchRec's accessors ---
     def keys(self) -> list[str]:
@@ -484,9 +485,9 @@ class KeyedJaggedTensor(_Jagged):
         inverse = self._inverse_indices
         if inverse is not None and inverse[1].device != values.device:
             inverse = (inverse[0], inverse[1].to(values.device, non_blocking=True))
-        return KeyedJaggedTensor(self._keys, values, weights, lengths=lengths, stride=self._stride,
-                                 length_per_key=self._length_per_key,
-                                 stride_per_key_per_rank=self._stride_per_key_per_rank, inverse_indices=inverse)
+        return type(self)(self._keys, values, weights, lengths=lengths, stride=self._stride,
+                          length_per_key=self._length_per_key,
+                          stride_per_key_per_rank=self._stride_per_key_per_rank, inverse_indices=inverse)
 
     def to(self, device, non_blocking: bool = False) -> "KeyedJaggedTensor":
         """Move to `device` in ONE copy: values, lengths and weights are packed into one byte
@@ -519,8 +520,7 @@ class KeyedJaggedTensor(_Jagged):
             f = bisect.bisect_right(self._bounds, i) - 1
             raise ValueError(f"feature {self._keys[f]!r}: lengths[{i}] (sample {i - self._bounds[f]}) = "
                              f"{int(lengths[i])} is negative")
-        if total != self._values.shape[0]:
-            raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
+        self._check_total(total)
         inverse = self._inverse_indices
         if inverse is not None and self._stride_per_key_per_rank is not None and inverse[1].device.type == "cpu":
             keys, index = inverse
@@ -568,6 +568,8 @@ def _concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     if not variable and len({k.stride() for k in kjts}) > 1:
         raise ValueError(f"cannot concat KJTs of strides {[k.stride() for k in kjts]}")
     weighted = {k.weights_or_none() is not None for k in kjts}
+    if any(k._padded for k in kjts):
+        raise ValueError("cannot concat padded batches (their padding would sit between keys): unpad() them first")
     if len(weighted) > 1:
         raise ValueError("either every KJT has weights or none has")
     return KeyedJaggedTensor(

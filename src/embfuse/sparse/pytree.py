@@ -8,6 +8,7 @@ from torch import Tensor
 
 from embfuse.sparse.jagged import JaggedTensor, KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
+from embfuse.sparse.padded import PaddedKeyedJaggedTensor
 
 
 def _jt_flatten(jt: JaggedTensor):
@@ -27,13 +28,16 @@ def _kjt_flatten(kjt: KeyedJaggedTensor):
                     None if inverse is None else inverse[0])
 
 
-def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
+def _kjt_unflatten(leaves, context, cls=KeyedJaggedTensor) -> KeyedJaggedTensor:
     values, weights, lengths, offsets, *rest = leaves  # (a spec saved without the inverse indices: 4)
     inverse = rest[0] if rest else None
     keys, stride, spkpr, inverse_keys = context
-    return KeyedJaggedTensor(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride,
-                             stride_per_key_per_rank=spkpr,
-                             inverse_indices=None if inverse_keys is None else (inverse_keys, inverse))
+    return cls(keys, values, weights, lengths=lengths, offsets=offsets, stride=stride, stride_per_key_per_rank=spkpr,
+               inverse_indices=None if inverse_keys is None else (inverse_keys, inverse))
+
+
+def _padded_unflatten(leaves, context) -> PaddedKeyedJaggedTensor:
+    return _kjt_unflatten(leaves, context, PaddedKeyedJaggedTensor)
 
 
 def _kt_flatten(kt: KeyedTensor):
@@ -53,9 +57,10 @@ def _kt_flatten_spec(kt: KeyedTensor, spec) -> list[Tensor]:
 
 
 def register() -> None:
-    """Register the three classes (once: embfuse.sparse does it on import)."""
+    """Register the four classes (once: embfuse.sparse does it on import)."""
     for cls, flatten, unflatten in ((JaggedTensor, _jt_flatten, _jt_unflatten),
-                                    (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten)):
+                                    (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten),
+                                    (PaddedKeyedJaggedTensor, _kjt_flatten, _padded_unflatten)):
         torch.utils._pytree.register_pytree_node(cls, flatten, unflatten,
                                                  serialized_type_name=f"embfuse.{cls.__name__}")
         torch.fx._pytree.register_pytree_flatten_spec(cls, lambda t, spec, flatten=flatten: flatten(t)[0])
