@@ -50,7 +50,8 @@ def test_a_padded_batch_looks_up_and_trains_as_the_batch(device, rule):
         kjt = _batch(g)
         pkjt = _padded(kjt, kjt.values().numel() + 37, g)
         outs = [m(b.to(device)).values() for m, b in ((plain, kjt), (padded, pkjt))]
-        assert torch.equal(outs[0], outs[1])
+        # (to rounding: the pooling kernel's launch shape is picked from the value count, padding included)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
         for out in outs:
             (out * torch.arange(out.shape[1], device=device)).square().sum().backward()
     embfuse.check_errors()

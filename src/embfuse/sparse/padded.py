@@ -7,8 +7,9 @@ capacity)` keeps the lengths and puts the values (and weights) in a buffer of `c
 the batch's values, then padding that no bag holds. Every batch of at most `capacity` values
 then has the same shapes, and one graph replays them all.
 
-An EmbeddingBagCollection looks a padded batch up as the batch itself: same outputs, same
-gradients, same fused updates (bitwise where the reduction order is the same). The padding is
+An EmbeddingBagCollection looks a padded batch up as the batch itself: the same outputs,
+gradients and fused updates, to rounding (on a GPU the pooling kernel's launch shape is picked
+from the value count, padding included, which can change the order of a bag's sum). The padding is
 neither checked nor read: the check stops at the last bag, the lookup pools bags, and the
 backward gives padding no row. Key-by-key views (`to_dict`, `split`, `permute`, `[key]`) hold
 the batch's values only; `unpad()` gives the plain batch back (one host read on a GPU).
