@@ -26,6 +26,12 @@ def test_readme_examples_run_and_say_what_is_true():
     assert ns["grads"].shape == (touched.numel(), 64)
     out = ns["out"]
     assert out.values().shape == (2, 12) and out["genres"].shape == (2, 4)
+    from torch._dynamo.utils import counters  # one graph for padded batches of any length:
+
+    graphs, embfuse = counters["stats"]["unique_graphs"], ns["embfuse"]
+    kjt = embfuse.KeyedJaggedTensor(["f"], torch.arange(11), lengths=torch.tensor([8, 1, 0, 2]))
+    ns["graph_step"](embfuse.PaddedKeyedJaggedTensor.from_kjt(kjt, 16).to(ns["tables"].weights.device))
+    assert counters["stats"]["unique_graphs"] == graphs
     eager, fast = ns["eager"], ns["fast"]
     assert any(line.startswith("batched 3") for line in fast.embfuse_report)
     torch.testing.assert_close(ns["logits"], eager(ns["batch_ids"], ns["batch_offsets"]), rtol=1e-5, atol=1e-5)

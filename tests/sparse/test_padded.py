@@ -13,6 +13,7 @@ from embfuse.ops.validate import validate_collection
 from embfuse.optim import Adam, RowWiseAdagrad, SGD
 from embfuse.sparse import KeyedJaggedTensor, PaddedKeyedJaggedTensor
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
+from tests.tolerances import assert_close
 
 TABLES = [EmbeddingBagConfig(60, 8, "t0", feature_names=["f0"]),
           EmbeddingBagConfig(30, 4, "t1", feature_names=["f1"], pooling="mean"),
@@ -51,14 +52,16 @@ def test_a_padded_batch_looks_up_and_trains_as_the_batch(device, rule):
         pkjt = _padded(kjt, kjt.values().numel() + 37, g)
         outs = [m(b.to(device)).values() for m, b in ((plain, kjt), (padded, pkjt))]
         # (to rounding: the pooling kernel's launch shape is picked from the value count, padding included)
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+        assert_close(outs[1], outs[0], torch.float32, 4)
         for out in outs:
             (out * torch.arange(out.shape[1], device=device)).square().sum().backward()
     embfuse.check_errors()
+    # (on a GPU the segment reduction groups a row's terms otherwise when the padding is sorted in)
+    terms = 3 * kjt.values().numel()
     if rule is None:
-        torch.testing.assert_close(padded.weights.grad, plain.weights.grad, rtol=0, atol=1e-6)
+        assert_close(padded.weights.grad, plain.weights.grad, torch.float32, terms)
     for a, b in zip(padded.state_dict().values(), plain.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert_close(a, b, torch.float32, terms)
 
 
 @pytest.mark.parametrize("device", DEVICES)
