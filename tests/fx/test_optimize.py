@@ -348,9 +348,8 @@ def test_compiled_inference_keeps_the_pooled_chain_in_the_graph(device):
     assert any("pooling kernel" in r for r in fast.embfuse_report), fast.embfuse_report
     run = torch.compile(fast, fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(run(ids, offsets), model(ids, offsets), **TOL)
-        ids2, offsets2 = eager_batch(sizes, 5, 3, torch.Generator().manual_seed(7))
-        torch.testing.assert_close(run(ids2, offsets2), model(ids2, offsets2), **TOL)
+        for batch in ((ids, offsets), eager_batch(sizes, 5, 3, torch.Generator().manual_seed(7))):
+            torch.testing.assert_close(run(*batch), model(*batch), **TOL)
 
 def test_copy_all_spreads_large_copies_over_threads():
     from embfuse.fx.staging import copy_all

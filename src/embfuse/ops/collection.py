@@ -318,8 +318,8 @@ def _layer_norm_body(weights, values, offsets, per_sample_weights, status, meta,
                      max_dim, vec, weight_sums, skips, eps, activation):
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
-                                  status=status, weight_sums=weight_sums, epilogue=(ln_weight, ln_bias, eps, activation),
-                                  skips=skips)
+                                  status=status, weight_sums=weight_sums,
+                                  epilogue=(ln_weight, ln_bias, eps, activation), skips=skips)
     x = _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
     return layer_norm_act_reference(x.view(B, -1, max_dim), ln_weight, ln_bias, eps, activation).view(B, total_dim)
 
