@@ -178,3 +178,28 @@ def test_batches_of_other_lengths_keep_one_compiled_graph():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[-1], graphs
     torch.testing.assert_close(padded.weights, plain.weights, rtol=1e-6, atol=1e-6)
+
+
+def test_statistics_count_the_batch_not_its_padding():
+    kjt = _batch(torch.Generator().manual_seed(8))
+    ebc = EmbeddingBagCollection(TABLES, is_weighted=True)
+    assert ebc.statistics(_padded(kjt, kjt.values().numel() + 20, torch.Generator())) == ebc.statistics(kjt)
+
+
+@pytest.mark.gpu
+def test_hot_rows_resident_in_l2_count_no_padding():
+    """pin_hot_rows_in_l2 chooses its rows from the batch only (counted, the padding would be
+    lookups of row 0 of the last feature's table) and reads as the plain lookup does."""
+    g = torch.Generator().manual_seed(9)
+    plain, pinned, pinned_padded = (EmbeddingBagCollection(TABLES, is_weighted=True, device="cuda",
+                                                           pin_hot_rows_in_l2=pin) for pin in (False, True, True))
+    pinned.load_state_dict(plain.state_dict())
+    pinned_padded.load_state_dict(plain.state_dict())
+    kjt = _batch(g, B=64)
+    padded = PaddedKeyedJaggedTensor.from_kjt(kjt, kjt.values().numel() + 2000).to("cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            want = plain(kjt.to("cuda")).values()
+            assert_close(pinned_padded(padded).values(), want, torch.float32, 4)
+            assert_close(pinned(kjt.to("cuda")).values(), want, torch.float32, 4)
+    assert pinned_padded.l2_residency.active and pinned_padded.l2_residency == pinned.l2_residency

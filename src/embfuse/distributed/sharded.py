@@ -222,6 +222,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
             raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
                    ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
+        kjt = kjt.unpad() if kjt._padded else kjt  # (the exchange reads its sizes on the host anyway)
         if kjt.keys() != self.feature_names:
             kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
         return kjt

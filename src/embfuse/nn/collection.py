@@ -263,7 +263,7 @@ class _Collection(FusedModule, _handles.Named, torch.nn.Module):
         """Per table, what the batch `features` looks up (see TableStatistics), features that
         share a table counted together. On request only: the lookups never compute it. A few
         device ops over the batch and one host read; bad ids raise as in the forward."""
-        kjt = self._features(features)
+        kjt = self._features(features.unpad() if features._padded else features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
         values, offsets, _, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan.limits, B, keys,
@@ -444,9 +444,10 @@ class EmbeddingBagCollection(_Collection):
             return None
         F = plan.meta.shape[0]
 
-        def global_rows():
-            feature = (bag_of_value(offsets, values.numel()) // max(B, 1)).clamp(0, F - 1)
-            return plan.meta[:, ROW_START][feature] + values.long()
+        def global_rows():  # (-1 past the last bag: a padded batch's padding is no lookup)
+            bag = bag_of_value(offsets, values.numel())
+            rows = plan.meta[:, ROW_START][(bag // max(B, 1)).clamp(0, F - 1)] + values.long()
+            return torch.where(bag < offsets.numel() - 1, rows, -1)
 
         step = self._fused.step if self._fused is not None else 0
         return self._residency.resident(self.weights, self.table_weights, self._row_starts, global_rows,
