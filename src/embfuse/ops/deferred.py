@@ -17,6 +17,8 @@ fresh tensor of the graph); a bad replay is reported by the next eager check poi
 from __future__ import annotations
 
 import collections
+import functools
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -168,6 +170,36 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 
 # ---- the host side of the deferred check ----
 
+def _weakly(raise_error):
+    """`raise_error` (a functools.partial) holding its tensors weakly. A graph's check stays in
+    the log for every replay, and its inputs may be the graph's own memory (Inductor's CUDA graphs
+    refuse a pool tensor kept alive outside the graph). A view is kept as a weak reference to its
+    base (a graph's reshape of the user's ids dies with the graph; the ids do not). When a tensor
+    is gone by the report, this raises nothing and DeviceLog._fail says what the GPU saw."""
+    if not isinstance(raise_error, functools.partial):
+        return raise_error
+    func, keywords = raise_error.func, raise_error.keywords
+    args = [_WeakTensor(a) if isinstance(a, torch.Tensor) else a for a in raise_error.args]
+
+    def call():
+        now = [a.get() if isinstance(a, _WeakTensor) else a for a in args]
+        if all(n is not None for n, a in zip(now, args) if isinstance(a, _WeakTensor)):
+            func(*now, **keywords)
+    return call
+
+
+class _WeakTensor:
+    def __init__(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        self.base, self.view = weakref.ref(base), None if base is t else (t.size(), t.stride(), t.storage_offset())
+
+    def get(self) -> Optional[torch.Tensor]:
+        base = self.base()
+        if base is None or self.view is None:
+            return base
+        return base.as_strided(*self.view)
+
+
 class Check:
     """One call's check: its status tensor (int32 [flags, ticket]) for the call's kernels, and
     what the host needs to report it: the call's number, its ring slot, a function that finds
@@ -221,7 +253,7 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, raise_error, what)
+            check = Check(status, seq, slot, _weakly(raise_error), what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING

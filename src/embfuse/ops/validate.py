@@ -383,8 +383,12 @@ def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fr
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
         lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out, tail),
         lambda: _collection_flags_reference(bagged(), offsets, limits, B),
-        lambda: _raise_collection(bagged(), offsets, limits, B, keys, tables, bounds_check == "skip"),
+        functools.partial(_raise_bagged, values, offsets, limits, B, keys, tables, bounds_check == "skip", tail),
         keep, lambda: _bad_value_message(bagged(), offsets, limits, B, keys, tables))
+
+
+def _raise_bagged(values, offsets, limits, B, keys, tables, skip_ids, tail):
+    _raise_collection(_bagged(values, offsets) if tail else values, offsets, limits, B, keys, tables, skip_ids)
 
 
 def _bagged(values, offsets):
