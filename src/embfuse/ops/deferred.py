@@ -170,12 +170,23 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 
 # ---- the host side of the deferred check ----
 
+def _inductor_graph(device) -> bool:
+    """Whether Inductor's CUDA graphs (torch.compile(mode="reduce-overhead")) are warming up or
+    recording on `device`: they refuse a tensor of their pool kept alive outside the graph."""
+    if device.type != "cuda" or not torch._C._is_key_in_tls("tree_manager_containers"):
+        return False
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
+    return manager is not None and (manager.in_recording or manager.in_warmup)
+
+
 def _weakly(raise_error):
-    """`raise_error` (a functools.partial) holding its tensors weakly. A graph's check stays in
-    the log for every replay, and its inputs may be the graph's own memory (Inductor's CUDA graphs
-    refuse a pool tensor kept alive outside the graph). A view is kept as a weak reference to its
-    base (a graph's reshape of the user's ids dies with the graph; the ids do not). When a tensor
-    is gone by the report, this raises nothing and DeviceLog._fail says what the GPU saw."""
+    """`raise_error` (a functools.partial) holding its tensors weakly, for a check made while
+    Inductor's CUDA graphs warm up or record (its inputs may be their pool's memory). A view is
+    kept as a weak reference to its base (a graph's reshape of the user's ids dies with the graph;
+    the ids do not). When a tensor is gone by the report, this raises nothing and
+    DeviceLog._fail says what the GPU saw (the flags, without a position)."""
     if not isinstance(raise_error, functools.partial):
         return raise_error
     func, keywords = raise_error.func, raise_error.keywords
@@ -253,12 +264,13 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, _weakly(raise_error), what)
+            check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph(self.device) else raise_error,
+                          what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
         status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, raise_error, what)
+        check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph(self.device) else raise_error, what)
         if track:
             self.pending.append(check)
         return check
