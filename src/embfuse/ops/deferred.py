@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import weakref
 from typing import Callable, Optional
 
@@ -170,20 +171,22 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 
 # ---- the host side of the deferred check ----
 
-def _inductor_graph(device) -> bool:
-    """Whether Inductor's CUDA graphs (torch.compile(mode="reduce-overhead")) are warming up or
-    recording on `device`: they refuse a tensor of their pool kept alive outside the graph."""
-    if device.type != "cuda" or not torch._C._is_key_in_tls("tree_manager_containers"):
-        return False
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
-    return manager is not None and (manager.in_recording or manager.in_warmup)
+def _inductor_graph() -> bool:
+    """Whether this call runs inside Inductor's CUDA graphs (torch.compile(mode="reduce-overhead"))
+    as they warm up or record: they refuse a tensor of their pool kept alive outside the graph.
+    Told by the stack (only graph checks ask, once a capture): their manager's state is not
+    reachable from inside the graph's ops."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("cudagraph_trees.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _weakly(raise_error):
     """`raise_error` (a functools.partial) holding its tensors weakly, for a check made while
-    Inductor's CUDA graphs warm up or record (its inputs may be their pool's memory). A view is
+    Inductor's CUDA graphs record (its inputs may be their pool's memory). A view is
     kept as a weak reference to its base (a graph's reshape of the user's ids dies with the graph;
     the ids do not). When a tensor is gone by the report, this raises nothing and
     DeviceLog._fail says what the GPU saw (the flags, without a position)."""
@@ -264,13 +267,12 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph(self.device) else raise_error,
-                          what)
+            check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph() else raise_error, what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
         status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph(self.device) else raise_error, what)
+        check = Check(status, seq, slot, raise_error, what)
         if track:
             self.pending.append(check)
         return check
