@@ -17,9 +17,8 @@ fresh tensor of the graph); a bad replay is reported by the next eager check poi
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import threading
+import sys
 import weakref
 from typing import Callable, Optional
 
@@ -172,24 +171,22 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 
 # ---- the host side of the deferred check ----
 
-_WEAK = threading.local()
-
-
-@contextlib.contextmanager
-def weak_checks():
-    """Checks started inside hold their inputs weakly (_weakly): the check ops of compiled graphs
-    (ops/validate.py) run their bodies in it. Inside Inductor's CUDA graphs those inputs may be the
-    graph pool's memory, which they refuse to see kept alive past the graph (warm-up included)."""
-    _WEAK.on = True
-    try:
-        yield
-    finally:
-        _WEAK.on = False
+def _inductor_graph() -> bool:
+    """Whether this call runs inside Inductor's CUDA graphs (torch.compile(mode="reduce-overhead"))
+    as they warm up or record: they refuse a tensor of their pool kept alive outside the graph.
+    Told by the stack (only graph checks ask, once a capture): their manager's state is not
+    reachable from inside the graph's ops."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("cudagraph_trees.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _weakly(raise_error):
-    """`raise_error` (a functools.partial) holding its tensors weakly, for a check made by a
-    compiled graph's check op (see weak_checks). A view is
+    """`raise_error` (a functools.partial) holding its tensors weakly, for a check made while
+    Inductor's CUDA graphs record (its inputs may be their pool's memory). A view is
     kept as a weak reference to its base (a graph's reshape of the user's ids dies with the graph;
     the ids do not). When a tensor is gone by the report, this raises nothing and
     DeviceLog._fail says what the GPU saw (the flags, without a position)."""
@@ -270,13 +267,12 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, _weakly(raise_error) if getattr(_WEAK, "on", False) else raise_error,
-                          what)
+            check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph() else raise_error, what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
         status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, _weakly(raise_error) if getattr(_WEAK, "on", False) else raise_error, what)
+        check = Check(status, seq, slot, raise_error, what)
         if track:
             self.pending.append(check)
         return check
