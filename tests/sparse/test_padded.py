@@ -203,3 +203,20 @@ def test_hot_rows_resident_in_l2_count_no_padding():
             assert_close(pinned_padded(padded).values(), want, torch.float32, 4)
             assert_close(pinned(kjt.to("cuda")).values(), want, torch.float32, 4)
     assert pinned_padded.l2_residency.active and pinned_padded.l2_residency == pinned.l2_residency
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_width_and_the_layer_norm_epilogue_take_a_padded_batch(device):
+    """Tables of one width (on the CPU: torch's native embedding_bag over the flat buffer) and
+    forward_layer_norm (on a GPU: the chain in the pooling kernel's epilogue)."""
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(50, 4, "a", feature_names=["f0"]),
+                                  EmbeddingBagConfig(30, 4, "b", feature_names=["f1"], pooling="mean")], device=device)
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.tensor([2, 1, 0, 3]))
+    padded = _padded(kjt, 20, torch.Generator().manual_seed(10)).to(device)
+    kjt = kjt.to(device)
+    w, b = torch.rand(2, 4, device=device), torch.rand(2, 4, device=device)
+    with torch.no_grad():
+        assert_close(ebc(padded).values(), ebc(kjt).values(), torch.float32, 4)
+        assert_close(ebc.forward_layer_norm(padded, w, b, activation="tanh"),
+                     ebc.forward_layer_norm(kjt, w, b, activation="tanh"), torch.float32, 4)
+    embfuse.check_errors()
