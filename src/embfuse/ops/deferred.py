@@ -172,10 +172,10 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 # ---- the host side of the deferred check ----
 
 def _inductor_graph() -> bool:
-    """Whether this call runs inside Inductor's CUDA graphs (torch.compile(mode="reduce-overhead"))
-    as they warm up or record: they refuse a tensor of their pool kept alive outside the graph.
-    Told by the stack (only graph checks ask, once a capture): their manager's state is not
-    reachable from inside the graph's ops."""
+    """Whether this call runs inside a recording of Inductor's CUDA graphs (torch.compile(mode=
+    "reduce-overhead")), which refuses a tensor of its pool kept alive outside the graph. Told by
+    the stack: only checks made in a capture or a trace ask (a few calls), and the graph manager's
+    state did not show from inside the graph's ops on the H100."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.endswith("cudagraph_trees.py"):
