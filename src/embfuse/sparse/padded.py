@@ -13,8 +13,9 @@ from the value count, padding included, which can change the order of a bag's su
 neither checked nor read: the check stops at the last bag, the lookup pools bags, and the
 backward gives padding no row. Key-by-key views (`to_dict`, `split`, `permute`, `[key]`) hold
 the batch's values only; `unpad()` gives the plain batch back (one host read on a GPU).
-Not taken: a batch size per feature (VBE), TensorFlow's safe rules, hot_rows training, and
-EmbeddingCollection (its outputs have the batch's own sizes).
+`statistics()` and sharded collections unpad it (they read the host anyway); pin_hot_rows_in_l2
+counts no padding. Not taken: a batch size per feature (VBE), TensorFlow's safe rules, hot_rows
+training, and EmbeddingCollection (its outputs have the batch's own sizes).
 """
 
 from __future__ import annotations
