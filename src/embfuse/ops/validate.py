@@ -372,28 +372,28 @@ def remap_ids(values, offsets, limits, B, remap, num_embeddings=None, out=None):
 
 def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None, out=None,
                       tail=False):
-    def bagged():  # what the host paths read: a padded batch's values that bags hold
-        return _bagged(values, offsets) if tail else values
-
     def keep():
-        mask = in_range(bagged(), limits, B, offsets)
-        return torch.cat([mask, mask.new_zeros(values.numel() - mask.numel())])  # (the padding goes)
+        mask = in_range(_bagged(values, offsets, tail), limits, B, offsets)
+        return torch.cat([mask, mask.new_zeros(values.numel() - mask.numel())]) if tail else mask  # (padding goes)
 
     return _validate(
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
         lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out, tail),
-        lambda: _collection_flags_reference(bagged(), offsets, limits, B),
+        lambda: _collection_flags_reference(_bagged(values, offsets, tail), offsets, limits, B),
         functools.partial(_raise_bagged, values, offsets, limits, B, keys, tables, bounds_check == "skip", tail),
-        keep, lambda: _bad_value_message(bagged(), offsets, limits, B, keys, tables))
+        keep, lambda: _bad_value_message(_bagged(values, offsets, tail), offsets, limits, B, keys, tables))
 
 
 def _raise_bagged(values, offsets, limits, B, keys, tables, skip_ids, tail):
-    _raise_collection(_bagged(values, offsets) if tail else values, offsets, limits, B, keys, tables, skip_ids)
+    _raise_collection(_bagged(values, offsets, tail), offsets, limits, B, keys, tables, skip_ids)
 
 
-def _bagged(values, offsets):
-    """values[:offsets[-1]] (one host read), or all the values when the offsets end past them
-    (the check then reports that)."""
+def _bagged(values, offsets, tail):
+    """What the host paths read: a padded batch's (`tail`) values that bags hold,
+    values[:offsets[-1]] (one host read), or all the values when the offsets end past them (the
+    check then reports that); every value of a plain batch."""
+    if not tail:
+        return values
     end = int(offsets[-1])
     return values[:end] if 0 <= end <= values.numel() else values
 
