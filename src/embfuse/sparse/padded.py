@@ -28,7 +28,7 @@ from torch import Tensor
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
-def _padded(t: Optional[Tensor], capacity: int) -> Optional[Tensor]:
+def _pad(t: Optional[Tensor], capacity: int) -> Optional[Tensor]:
     if t is None:
         return None
     return torch.cat([t, t.new_zeros(capacity - t.shape[0], *t.shape[1:])])
@@ -52,8 +52,8 @@ class PaddedKeyedJaggedTensor(KeyedJaggedTensor):
         n = kjt.values().shape[0]
         if n > capacity:
             raise ValueError(f"the batch has {n} values, more than the capacity {capacity}")
-        return PaddedKeyedJaggedTensor(kjt.keys(), _padded(kjt.values(), capacity),
-                                       _padded(kjt.weights_or_none(), capacity), lengths=kjt.lengths(),
+        return PaddedKeyedJaggedTensor(kjt.keys(), _pad(kjt.values(), capacity),
+                                       _pad(kjt.weights_or_none(), capacity), lengths=kjt.lengths(),
                                        stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
 
     def capacity(self) -> int:
