@@ -17,8 +17,10 @@ fresh tensor of the graph); a bad replay is reported by the next eager check poi
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import sys
+import threading
 import weakref
 from typing import Callable, Optional
 
@@ -171,11 +173,28 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
 
 # ---- the host side of the deferred check ----
 
+_IN_CHECK_OP = threading.local()
+
+
+@contextlib.contextmanager
+def graph_check_op():
+    """The body of a compiled graph's check op (ops/validate.py) runs in this: only there may a
+    check be made inside Inductor's CUDA graphs, recording or warming up (see _inductor_graph)."""
+    _IN_CHECK_OP.on = True
+    try:
+        yield
+    finally:
+        _IN_CHECK_OP.on = False
+
+
 def _inductor_graph() -> bool:
-    """Whether this call runs inside a recording of Inductor's CUDA graphs (torch.compile(mode=
-    "reduce-overhead")), which refuses a tensor of its pool kept alive outside the graph. Told by
-    the stack: only checks made in a capture or a trace ask (a few calls), and the graph manager's
-    state did not show from inside the graph's ops on the H100."""
+    """Whether this check is made by a check op inside Inductor's CUDA graphs (torch.compile(mode=
+    "reduce-overhead")), recording or in their warm-up run (eager, in the graph's pool): they
+    refuse a tensor of their pool kept alive outside the graph. Told by the stack, and only asked
+    inside a check op (eager calls pay nothing): the graph manager's state did not show from
+    inside the graph's ops on the H100."""
+    if not getattr(_IN_CHECK_OP, "on", False):
+        return False
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.endswith("cudagraph_trees.py"):
@@ -272,7 +291,7 @@ class DeviceLog:
             return check
         slot = seq % self.RING
         status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, raise_error, what)
+        check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph() else raise_error, what)
         if track:
             self.pending.append(check)
         return check

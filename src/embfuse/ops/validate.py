@@ -36,7 +36,7 @@ from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value
 from embfuse._handles import join_names, split_names
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
-                                  prepare_log, run_check, traced_mode)
+                                  graph_check_op, prepare_log, run_check, traced_mode)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
@@ -231,12 +231,14 @@ def skip_ids(values, offsets, psw, keep):
 def _check_ids_op(indices: torch.Tensor, offsets: Optional[torch.Tensor], num_embeddings: int, shape: list[int],
                   name: str, given: int, bounds_check: str) -> torch.Tensor:
     """validate_bags / validate_ids as one opaque op for torch.compile graphs: the status."""
-    if offsets is None:
-        _, check = validate_ids(indices.view(shape), num_embeddings, name=name, bounds_check=bounds_check,
-                                fresh=False)
-    else:  # (ring pairs, as in _check_bags_op)
-        *_, check = validate_bags(indices, offsets, num_embeddings, shape=torch.Size(shape), name=name,
-                                  bounds_check=bounds_check, given_offsets=given if given >= 0 else None, fresh=False)
+    with graph_check_op():
+        if offsets is None:
+            _, check = validate_ids(indices.view(shape), num_embeddings, name=name, bounds_check=bounds_check,
+                                    fresh=False)
+        else:  # (ring pairs, as in _check_bags_op)
+            given_offsets = given if given >= 0 else None
+            *_, check = validate_bags(indices, offsets, num_embeddings, shape=torch.Size(shape), name=name,
+                                      bounds_check=bounds_check, given_offsets=given_offsets, fresh=False)
     return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=indices.device)
 
 
@@ -405,8 +407,9 @@ def _check_bags_op(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Te
     and table names joined by _handles.join_names: an op takes no list of strings)."""
     # (a ring pair, not a fresh one: the op returns a copy, and a pair made here would outlive the
     # call in the host's list, which Inductor's CUDA graphs refuse in their memory pool)
-    check = _check_collection(values, offsets, limits, B, split_names(keys), split_names(tables), bounds_check, False,
-                              None, tail=tail)[0]
+    with graph_check_op():
+        check = _check_collection(values, offsets, limits, B, split_names(keys), split_names(tables), bounds_check,
+                                  False, None, tail=tail)[0]
     return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=values.device)
 
 
