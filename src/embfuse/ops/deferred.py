@@ -25,6 +25,7 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
 from embfuse.ops.errors import BadBatchError, BadIdError
@@ -111,7 +112,8 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
     lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
-    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py Resident.info).
+    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py
+    Resident.info).
     TAIL: a padded batch (sparse/padded.py): offsets end at most at n, and the values after
     offsets[FB] belong to no bag and are neither checked nor remapped."""
     pid = tl.program_id(0)
@@ -462,6 +464,30 @@ class TracedCheck:
 def traced_mode(bounds_check: str) -> str:
     return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
 
+
+
+# the status copies that compiled graphs' check ops return (ops/validate.py), each to its eager Check,
+# held weakly by the copy: a fused update inside a compiled backward finds its batch's Check by it
+_COPIES = WeakIdKeyDictionary()
+
+
+def status_copy(check: Optional[Check], like: torch.Tensor) -> torch.Tensor:
+    """What a compiled graph's check op returns: a copy of its status (zeros with no check). The
+    copy of an eager-path check (torch.compile's default mode runs the op's body eagerly) leads
+    back to its Check (check_of), so a fused update in the compiled backward counts its step as an
+    eager one does: not at all when the batch is known bad, taken back when it is found bad later.
+    Checks captured into CUDA graphs are not linked: a replay does not advance the step count."""
+    if check is None:
+        return torch.zeros(2, dtype=torch.int32, device=like.device)
+    copy = check.status.clone()
+    if check.slot < DeviceLog.RING:
+        _COPIES[copy] = check
+    return copy
+
+
+def check_of(status: Optional[torch.Tensor]) -> Optional[Check]:
+    """The eager Check whose status_copy `status` is, or None."""
+    return None if status is None else _COPIES.get(status)
 
 
 def known_good(status: Optional[torch.Tensor]) -> bool:

@@ -36,7 +36,8 @@ from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value
 from embfuse._handles import join_names, split_names
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
-                                  graph_check_op, prepare_log, run_check, traced_mode)
+                                  graph_check_op, prepare_log, run_check, status_copy,
+                                  traced_mode)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
@@ -239,7 +240,7 @@ def _check_ids_op(indices: torch.Tensor, offsets: Optional[torch.Tensor], num_em
             given_offsets = given if given >= 0 else None
             *_, check = validate_bags(indices, offsets, num_embeddings, shape=torch.Size(shape), name=name,
                                       bounds_check=bounds_check, given_offsets=given_offsets, fresh=False)
-    return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=indices.device)
+    return status_copy(check, indices)
 
 
 @_check_ids_op.register_fake
@@ -410,7 +411,7 @@ def _check_bags_op(values: torch.Tensor, offsets: torch.Tensor, limits: torch.Te
     with graph_check_op():
         check = _check_collection(values, offsets, limits, B, split_names(keys), split_names(tables), bounds_check,
                                   False, None, tail=tail)[0]
-    return check.status.clone() if check is not None else torch.zeros(2, dtype=torch.int32, device=values.device)
+    return status_copy(check, values)
 
 
 @_check_bags_op.register_fake

@@ -24,7 +24,7 @@ from embfuse import _handles
 from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import pool_collection
-from embfuse.ops.deferred import known_good
+from embfuse.ops.deferred import check_of, known_good
 from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
 from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
@@ -238,7 +238,8 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
 # ---- the traced form: opaque ops, so the host's step count and plans stay Python ----
 # The forward op's backward is an op that mutates the table and its state: AOTAutograd keeps it
 # in the compiled backward. Inside a graph the check is only its status: a batch found bad later
-# updates nothing, but its step is counted (eager calls take it back; see FusedOptimizer.stepping).
+# updates nothing, and its step is taken back as in eager calls (FusedOptimizer.stepping), by the
+# check the status copy leads to (ops/deferred.py status_copy); CUDA-graph replays count no step.
 
 @torch.library.custom_op("embfuse::fused_lookup", mutates_args=())
 def _fused_lookup_op(anchor: Tensor, weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
@@ -268,8 +269,9 @@ def _(weight, first, second, third, out, grad, status, handle):
 def _update_op(weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
                third: Optional[Tensor], grad: Tensor, status: Optional[Tensor], handle: int, size: int) -> None:
     call = _handles.lookup(handle)
-    with call.fused.stepping(None) as step:
-        call.update(weight, dict(zip(call.fused.state, state)), (first, second, third), grad, status, step, size)
+    with call.fused.stepping(check_of(status)) as step:
+        if step is not None:
+            call.update(weight, dict(zip(call.fused.state, state)), (first, second, third), grad, status, step, size)
 
 
 @_update_op.register_fake
