@@ -172,7 +172,7 @@ def test_opcheck_and_compile():
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_collection,
                           (ebc.weights.detach().requires_grad_(), kjt.values(), kjt.offsets(), None,
                            torch.zeros(2, dtype=torch.int32), P.meta, P.src_meta, 4, P.total_dim, P.max_dim, L.vec,
-                           L.wide_keys, P.scaled, P.weight_sums, P.skips))
+                           L.wide_keys, P.scaled, P.weight_sums, P.skips, P.tail))
     compiled = torch.compile(lambda w, v, o: embfuse.ops.collection.embedding_bag_collection(w, v, o, None, P, 4),
                              fullgraph=True)
     assert torch.equal(compiled(ebc.weights, kjt.values(), kjt.offsets()), ebc(kjt).values())

@@ -123,7 +123,8 @@ def test_backward_inputs_give_the_padding_no_row():
     values = torch.cat([kjt.values(), torch.full((50,), 10**6)]).to(KERNEL_DEVICE)
     psw = torch.cat([kjt.weights(), torch.full((50,), 1e30)]).to(KERNEL_DEVICE)
     offsets = kjt.offsets().to(KERNEL_DEVICE)
-    keys, bag, scale = bags.backward_inputs(values, offsets, psw, P.meta, 5, kernel=True, weight_sums=P.weight_sums)
+    keys, bag, scale = bags.backward_inputs(values, offsets, psw, P.meta, 5, kernel=True, weight_sums=P.weight_sums,
+                                            tail=True)
     want = bags.backward_inputs_reference(values[:n], offsets, psw[:n], P.meta, 5)
     assert torch.equal(keys[:n].long(), want[0]) and torch.equal(bag[:n].long(), want[1])
     torch.testing.assert_close(scale[:n], want[2])

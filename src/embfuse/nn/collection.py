@@ -136,15 +136,18 @@ def embedding_names_by_table(tables) -> list[list[str]]:
 
 
 @torch.compiler.assume_constant_result
-def _build_plan(collection: int, keys: tuple, device: str) -> bool:
-    """Make and keep a collection's Plan for (keys, device) if it has none: plain Python even
-    while torch.compile traces (a Plan is host data and device constants, not graph work); the
-    arguments are trace constants (`collection`: its _handles name)."""
+def _build_plan(collection: int, keys: tuple, device: str, tail: bool = False) -> bool:
+    """Make and keep a collection's Plan for (keys, device, tail) if it has none: plain Python
+    even while torch.compile traces (a Plan is host data and device constants, not graph work);
+    the arguments are trace constants (`collection`: its _handles name). `tail`: the plan of
+    padded batches (Plan.tail)."""
     collection = _handles.lookup(collection)
-    key = (keys, torch.device(device))
+    key = (keys, torch.device(device), tail)
     if key not in collection._plans:
-        collection._plans[key] = collection._new_plan(keys, key[1])
-        _handles.register(collection._plans[key])
+        plan = collection._new_plan(keys, key[1])
+        plan.tail = tail
+        collection._plans[key] = plan
+        _handles.register(plan)
     return True
 
 
@@ -192,10 +195,11 @@ class _Collection(FusedModule, _handles.Named, torch.nn.Module):
         self._vbe_ring = PinnedRing()  # (variable batches: their small per-feature host data)
         self._init_fused(bounds_check, optimizer)
 
-    def _plan(self, keys: list[str], device) -> Plan:
-        """The Plan of a batch with these keys (its features in this order), made once."""
-        _build_plan(self._embfuse_handle, tuple(keys), str(device))  # (first: a trace sees _plans as it is then)
-        return self._plans[(tuple(keys), device)]
+    def _plan(self, keys: list[str], device, tail: bool = False) -> Plan:
+        """The Plan of a batch with these keys (its features in this order), made once; `tail`:
+        of a padded batch."""
+        _build_plan(self._embfuse_handle, tuple(keys), str(device), tail)  # (first: a trace sees _plans as it is)
+        return self._plans[(tuple(keys), device, tail)]
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -392,7 +396,7 @@ class EmbeddingBagCollection(_Collection):
         rewritten by the check's pass) and the Resident whose window it runs in (else None)."""
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
-        plan = self._plan(keys, self.weights.device)
+        plan = self._plan(keys, self.weights.device, kjt._padded)
         psw = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and psw is None:
             raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")

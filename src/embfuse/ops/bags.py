@@ -262,13 +262,14 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
 def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys, bag_out, scale_out, n, FB, B,
                             stride_m, padding_idx, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
                             HAS_PADDING: tl.constexpr, NORM_PASS: tl.constexpr, COLD: tl.constexpr,
-                            STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
+                            STATUS: tl.constexpr, TAIL: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """Per value (KEY_START + id, or -1; bag; w / norm). COLD: `values` are sort keys already
     (-1: taken elsewhere, the hot-row path) and the others are packed from cold_start[bag] on.
-    The values past the last bag (a padded batch, sparse/padded.py) get key -1, bag 0, scale 0,
-    shared out over the programs (none in a batch without padding)."""
+    TAIL (a padded batch, sparse/padded.py): the values past the last bag get key -1, bag 0,
+    scale 0, shared out over the programs. Only then: the fill's code alone made the kernel 25%
+    slower on plain batches (H100, benchmarks/NOTES.md session 19)."""
     g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
-    if not COLD:
+    if TAIL:
         last = tl.minimum(tl.maximum(tl.load(offsets + FB).to(tl.int64), 0), n)
         share = (n - last + tl.num_programs(0) - 1) // tl.num_programs(0)
         if STATUS:  # (a bad batch's values are all shared out below)
@@ -337,7 +338,7 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
 
 def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta: Tensor, B: int, *,
                     padding_idx: int = -1, wide_keys: bool = True, scaled: bool = True, weight_sums: bool = False,
-                    skips: bool = False,
+                    skips: bool = False, tail: bool = False,
                     status: Optional[Tensor] = None, dtype=torch.float32, kernel: Optional[bool] = None,
                     cold: Optional[tuple[Tensor, int]] = None):
     """`backward_inputs_reference` in one launch instead of about ten torch ops over every value.
@@ -346,7 +347,8 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     `scaled`: some feature averages (else, without weights, every scale is 1 and none is returned:
     the reduction then reads no scale a value). `weight_sums`: some feature's norm sums its
     weights (sqrtn, wmean: with weights, a pass sums their terms). `skips`: the batch holds SKIPPED
-    ids (ops/safe.py), which get key -1 as padding does.
+    ids (ops/safe.py), which get key -1 as padding does. `tail`: a padded batch (sparse/padded.py):
+    the values past the last bag get key -1 (a plain batch has none; its kernel skips the fill).
     `status`: the batch's deferred check; a bad batch gives every value key -1. `kernel`: force
     the kernel (True, interpreted in CPU tests) or the torch ops; None: by device and `dtype`
     (the scales' dtype: float64 tables take the torch ops). `cold`: (cold_start, count) of the
@@ -373,7 +375,7 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
             meta.stride(0), SKIPPED if skips else padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
             HAS_PADDING=padding_idx >= 0 or skips, COLD=cold is not None,
             NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),
-            STATUS=status is not None, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+            STATUS=status is not None, TAIL=tail and cold is None, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
     return keys, bag, scale
 
 

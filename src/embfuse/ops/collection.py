@@ -57,6 +57,7 @@ class Plan(_handles.Named):
             drops = torch.tensor([r is not None and r[0] for r in safe], device=device)
             self.limits = torch.where(drops, -self.limits, self.limits)
         self.skips = self.rules is not None  # batches after the safe pass hold SKIPPED ids
+        self.tail = False  # the plan of padded batches (sparse/padded.py): nn/collection.py sets it
         self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim
@@ -199,14 +200,14 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
 
 
 def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layout, B, num_elements, scaled=True,
-                        weight_sums=True, status=None, skips=False):
-    """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta, scaled
-    and weight_sums: Plan's)."""
+                        weight_sums=True, status=None, skips=False, tail=False):
+    """Gradient of the flat weight buffer (dense), by one segment reduction (src_meta, scaled,
+    weight_sums and tail: Plan's)."""
     out = torch.zeros(num_elements, dtype=grad.dtype, device=grad.device)
     if values.numel() == 0:
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, wide_keys=layout.wide_keys, scaled=scaled,
-                                       weight_sums=weight_sums, status=status, kernel=True, skips=skips)
+                                       weight_sums=weight_sums, status=status, kernel=True, skips=skips, tail=tail)
     return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
                            src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
 
@@ -262,7 +263,7 @@ def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, 
 @kernel_op("embfuse::embedding_bag_collection", mutates_args=())
 def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                    status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
-                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool, skips: bool) -> Tensor:
+                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool, skips: bool, tail: bool) -> Tensor:
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
                                   status=status, weight_sums=weight_sums, skips=skips)
@@ -271,7 +272,7 @@ def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_
 
 @_collection_op.register_fake
 def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys,
-      scaled, weight_sums, skips):
+      scaled, weight_sums, skips, tail):
     return weights.new_empty(B, total_dim)
 
 
@@ -279,11 +280,11 @@ def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, t
 def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                             status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
                             max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool,
-                            skips: bool) -> Tensor:
+                            skips: bool, tail: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
-                                   num_elements, scaled, weight_sums, status, skips)
+                                   num_elements, scaled, weight_sums, status, skips, tail)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         grad = grad * (status[0] == 0)
@@ -292,15 +293,15 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
 
 @_collection_backward_op.register_fake
 def _(grad, values, offsets, per_sample_weights, status, meta, src_meta, B, num_elements, max_dim, vec, wide_keys,
-      scaled, weight_sums, skips):
+      scaled, weight_sums, skips, tail):
     return grad.new_empty(num_elements)
 
 
 def _setup_context(ctx, inputs, output):
     (weights, values, offsets, psw, status, meta, src_meta, B, total_dim, max_dim, vec, wide_keys, scaled,
-     weight_sums, skips) = inputs
+     weight_sums, skips, tail) = inputs
     ctx.save_for_backward(values, offsets, psw, status, meta, src_meta)
-    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, weight_sums, skips)
+    ctx.args = (B, weights.numel(), max_dim, vec, wide_keys, scaled, weight_sums, skips, tail)
 
 
 def _autograd_backward(ctx, grad):
@@ -308,7 +309,7 @@ def _autograd_backward(ctx, grad):
     g = None
     if ctx.needs_input_grad[0]:
         g = _collection_backward_op(grad, values, offsets, psw, status, meta, src_meta, *ctx.args)
-    return (g,) + (None,) * 14
+    return (g,) + (None,) * 15
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -361,5 +362,5 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
         L = plan.layout
         return _collection_op(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B,
                               plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums,
-                              plan.skips)
+                              plan.skips, plan.tail)
     return pool_collection(weights, values, offsets, per_sample_weights, plan, B, status)

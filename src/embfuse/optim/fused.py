@@ -200,7 +200,7 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     if kernel:
         keys, bag, scale = backward_inputs(values, offsets, psw, plan.meta, B, wide_keys=plan.layout.wide_keys,
                                            scaled=plan.scaled, weight_sums=plan.weight_sums, status=status,
-                                           kernel=True, skips=plan.skips)
+                                           kernel=True, skips=plan.skips, tail=plan.tail)
         grad = grad.contiguous()
         fused_update(weights, list(state.values()), optimizer, keys, plan.layout, grad, step, src_row=bag,
                      scale=scale, src_stride=grad.stride(0), src_bags=B, src_meta=plan.src_meta)
