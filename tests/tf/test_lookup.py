@@ -179,6 +179,9 @@ def test_bad_input_is_refused_clearly():
         safe_embedding_lookup_sparse(table, torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1]), (3,)))
     with pytest.raises(TypeError, match="sparse COO tensor"):
         safe_embedding_lookup_sparse(table, torch.tensor([[1, 2]]))
+    w = sparse([((0, 0), 0.5)], (1, 2), dtype=torch.float32).requires_grad_()
+    with pytest.raises(NotImplementedError, match="sparse_weights get no gradient"):
+        safe_embedding_lookup_sparse(table, sparse([((0, 0), 1)], (1, 2)), w)
     with pytest.raises(ValueError, match="combiner must be one of"):
         safe_embedding_lookup_sparse(table, ids, combiner="max")
     with pytest.raises(IndexError, match="default_id 12 is out of range"):

@@ -32,7 +32,7 @@ from torch import Tensor
 from embfuse._triton import needs_op, tracing
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import Plan, embedding_bag_collection
-from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError
+from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError, UnsupportedError
 from embfuse.ops.safe import POOLING, safe_bags, safe_rule
 from embfuse.ops.validate import validate_collection
 from embfuse.optim.lookup import fused_embedding_bag_collection
@@ -146,6 +146,9 @@ def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tenso
         raise BadArgumentError("sparse_weights must have the same indices as sparse_ids")
     if not w.is_floating_point():
         raise BadDtypeError(f"sparse_weights must be floating point, got {w.dtype}")
+    if sp_weights.requires_grad:  # (a sparse tensor's values reach the lookup detached: no silent zero gradient)
+        raise UnsupportedError("sparse_weights get no gradient from embfuse.tf's lookups (TensorFlow's would); "
+                               "detach them, or look up with embfuse.embedding_bag's per_sample_weights")
     return w
 
 
