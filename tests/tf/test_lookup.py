@@ -191,6 +191,19 @@ def test_bad_input_is_refused_clearly():
     assert torch.equal(table, before)  # TensorFlow clips a copy; the table is never renormed
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_id_is_named_at_the_callers_position(device):
+    """Entries not in row order are sorted into bags; the error still names the entry where the
+    caller put it (values[1] here), in the function and the module, deferred or not."""
+    table = torch.randn(10, 4, device=device)
+    sp = sparse([((1, 0), 3), ((0, 0), 50), ((0, 1), 2)], (2, 2), device)
+    for lookup in (lambda: safe_embedding_lookup_sparse(table, sp),
+                   lambda: embfuse.tf.SafeEmbeddingBag(10, 4, device=device)(sp)):
+        with pytest.raises(IndexError, match=r"values\[1\] = 50 \(sample 0\)"):
+            lookup()
+            embfuse.check_errors()
+
+
 def test_module_level_access():
     assert embfuse.tf.safe_embedding_lookup_sparse is safe_embedding_lookup_sparse
 

@@ -148,15 +148,17 @@ def in_range(values, limits, B, offsets) -> torch.Tensor:
     return ((values >= 0) | (limit < 0)) & (values < limit.abs())
 
 
-def _bad_value_message(values, offsets, limits, B, keys, tables) -> tuple[str, int]:
+def _bad_value_message(values, offsets, limits, B, keys, tables, positions=None) -> tuple[str, int]:
     """The first out-of-range value of a keyed batch, by feature, table, position and sample;
-    and how many there are."""
+    and how many there are. `positions`: each value's position in the caller's own order (a
+    batch the caller's entries were sorted into), or None."""
     bag = bag_of_value(offsets, values.numel())
     bad = (~in_range(values, limits, B, offsets)).nonzero()
     p = int(bad[0])
     g = int(bag[p])
     f = g // B
-    return (out_of_range(f"values[{p}]", int(values[p]), abs(int(limits[f])), tables[f], keys[f], g % B),
+    at = p if positions is None else int(positions[p])
+    return (out_of_range(f"values[{at}]", int(values[p]), abs(int(limits[f])), tables[f], keys[f], g % B),
             bad.numel())
 
 
@@ -180,7 +182,7 @@ def _raise_ids(indices, offsets, num_embeddings, shape, name, given, skip_ids=Fa
         raise BadIdError(_bad_id_message(indices, shape, num_embeddings, name)[0])
 
 
-def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids):
+def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids, positions=None):
     """The exact error of a keyed batch, if it has one (host reads: the slow path)."""
     n = values.numel()
     lengths = offsets[1:] - offsets[:-1]
@@ -192,7 +194,7 @@ def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids):
     if int(offsets[0]) != 0 or int(offsets[-1]) != n:
         raise BadBatchError(f"lengths add up to {int(offsets[-1]) - int(offsets[0])} but there are {n} values")
     if not skip_ids and n and _collection_flags_reference(values, offsets, limits, B):
-        raise BadIdError(_bad_value_message(values, offsets, limits, B, keys, tables)[0])
+        raise BadIdError(_bad_value_message(values, offsets, limits, B, keys, tables, positions)[0])
 
 
 def _collection_flags_reference(values, offsets, limits, B) -> int:
@@ -306,13 +308,14 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
 def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
                         limits: torch.Tensor, B: int, keys: list[str], tables: list[str],
                         bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None,
-                        remap=None, tail: bool = False):
+                        remap=None, tail: bool = False, positions: Optional[torch.Tensor] = None):
     """Check a keyed batch (F * B bags) against its features' tables (limits[f]: rows of feature
     f's table, negated where ids < 0 are allowed: see in_range) in one pass: lengths that are
     non-negative and add up to the values, every id inside its feature's table. Returns (values,
     offsets, per_sample_weights, check) as validate_bags does (`remap` too). Errors name the
     feature, its table, the position and the sample. `tail`: a padded batch (sparse/padded.py),
-    whose lengths add up to at most the values and whose values past them are not checked."""
+    whose lengths add up to at most the values and whose values past them are not checked.
+    `positions`: each value's position in the caller's order, for the messages (_bad_value_message)."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -335,7 +338,7 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, join_names(keys),
                                                                 join_names(tables), traced_mode(bounds_check), tail))
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
-                                    out, tail)
+                                    out, tail, positions)
     if keep is None:
         return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
     values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
@@ -374,7 +377,7 @@ def remap_ids(values, offsets, limits, B, remap, num_embeddings=None, out=None):
 
 
 def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap=None, out=None,
-                      tail=False):
+                      tail=False, positions=None):
     def keep():
         mask = in_range(_bagged(values, offsets, tail), limits, B, offsets)
         return torch.cat([mask, mask.new_zeros(values.numel() - mask.numel())]) if tail else mask  # (padding goes)
@@ -383,12 +386,13 @@ def _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fr
         values, bounds_check, fresh, kernel, "EmbeddingBagCollection",
         lambda log, c: launch_bags_check(log, c, values, offsets, limits, B, remap, out, tail),
         lambda: _collection_flags_reference(_bagged(values, offsets, tail), offsets, limits, B),
-        functools.partial(_raise_bagged, values, offsets, limits, B, keys, tables, bounds_check == "skip", tail),
-        keep, lambda: _bad_value_message(_bagged(values, offsets, tail), offsets, limits, B, keys, tables))
+        functools.partial(_raise_bagged, values, offsets, limits, B, keys, tables, bounds_check == "skip", tail,
+                          positions),
+        keep, lambda: _bad_value_message(_bagged(values, offsets, tail), offsets, limits, B, keys, tables, positions))
 
 
-def _raise_bagged(values, offsets, limits, B, keys, tables, skip_ids, tail):
-    _raise_collection(_bagged(values, offsets, tail), offsets, limits, B, keys, tables, skip_ids)
+def _raise_bagged(values, offsets, limits, B, keys, tables, skip_ids, tail, positions=None):
+    _raise_collection(_bagged(values, offsets, tail), offsets, limits, B, keys, tables, skip_ids, positions)
 
 
 def _bagged(values, offsets, tail):

@@ -268,27 +268,32 @@ def one_table_plan(table: Tensor, combiner: str, rule: Optional[tuple]) -> Plan:
 
 
 def bags_of(rows: Tensor, ids: Tensor, weights: Optional[Tensor], num_rows: int, ordered: bool,
-            dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(ids, offsets, weights in `dtype`) of the num_rows bags that entries (row `rows`, id,
-    weight) make. `ordered`: the entries are in row order already (a coalesced sparse tensor:
-    sorted, unique indices, TensorFlow's canonical order); otherwise a stable sort puts them so
-    (the caller's order within a row is kept)."""
+            dtype) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(ids, offsets, weights in `dtype`, order) of the num_rows bags that entries (row `rows`,
+    id, weight) make. `ordered`: the entries are in row order already (a coalesced sparse tensor:
+    sorted, unique indices, TensorFlow's canonical order; order None); otherwise a stable sort
+    puts them so (the caller's order within a row is kept) and `order` gives each sorted entry's
+    position among the caller's, for error messages."""
+    order = None
     if not ordered:
         rows, order = torch.sort(rows, stable=True)
         ids = ids[order]
         weights = None if weights is None else weights[order]
     offsets = torch.searchsorted(rows, torch.arange(num_rows + 1, device=rows.device))
-    return ids, offsets, None if weights is None else weights.to(dtype)
+    return ids, offsets, None if weights is None else weights.to(dtype), order
 
 
 def lookup_bags(flat: Tensor, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], plan: Plan, B: int,
-                bounds_check: str = "deferred", fused=None, fresh: bool = True) -> Tensor:
+                bounds_check: str = "deferred", fused=None, fresh: bool = True,
+                positions: Optional[Tensor] = None) -> Tensor:
     """B bags of one table (`flat`: its weight as one flat view, so that a gradient reaches it)
     through the collection path: the deferred check (ids < 0 let through where the plan's rule
     drops them), the safe pass (ops/safe.py), one pooling launch; its backward, or with `fused`
-    (a FusedOptimizer of the table) the update inside it, touches no row a dropped id named."""
+    (a FusedOptimizer of the table) the update inside it, touches no row a dropped id named.
+    `positions`: bags_of's order (errors name the caller's position of a bad id)."""
     ids, offsets, weights, check = validate_collection(ids, offsets, weights, plan.limits, B, ["sparse_ids"],
-                                                       ["embedding_weights"], bounds_check, fresh=fresh)
+                                                       ["embedding_weights"], bounds_check, fresh=fresh,
+                                                       positions=positions)
     status = None if check is None else check.status
     if plan.rules is not None:
         ids, offsets, weights = safe_bags(ids, offsets, weights, plan.rules, B, status, accumulation(flat))
@@ -302,6 +307,6 @@ def pool_one_table(table: Tensor, rows: Tensor, ids: Tensor, weights: Optional[T
     """One table without max_norm, with no host read and a fixed number of launches: the
     entries' bags (bags_of) through `lookup_bags` in the combiner's pooling (mean: wmean, over
     the weights' sum). `checked`: the caller has checked the ids already."""
-    ids, offsets, w = bags_of(rows, ids, weights, num_rows, ordered, accumulation(table))
+    ids, offsets, w, order = bags_of(rows, ids, weights, num_rows, ordered, accumulation(table))
     return lookup_bags(table.reshape(-1), ids, offsets, w, one_table_plan(table, combiner, rule), num_rows,
-                       "off" if checked else "deferred", fresh=needs_op(table))
+                       "off" if checked else "deferred", fresh=needs_op(table), positions=order)

@@ -56,10 +56,10 @@ class SafeEmbeddingBag(torch.nn.Module):
         indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
         given = _weights_of(sparse_weights, indices)
         N = math.prod(shape[:-1])
-        ids, offsets, w = bags_of(entry_rows(indices, shape), ids, given, N, sparse_ids.is_coalesced(),
-                                  accumulation(self.weight))
+        ids, offsets, w, order = bags_of(entry_rows(indices, shape), ids, given, N, sparse_ids.is_coalesced(),
+                                         accumulation(self.weight))
         plan = one_table_plan(self.weight, self.combiner, safe_rule(self.combiner, given is not None, self.default_id))
         fused = self.bag._fused_now()
         out = lookup_bags(self.weight.view(-1), ids, offsets, w, plan, N, self.bag.bounds_check, fused,
-                          fresh=fused is not None or needs_op(self.weight))
+                          fresh=fused is not None or needs_op(self.weight), positions=order)
         return out.reshape(*shape[:-1], self.weight.shape[1])
