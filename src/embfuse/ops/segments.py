@@ -189,16 +189,18 @@ class Segments:
         for level, (n, block_k, warps, tiles) in enumerate(levels):
             last = level == len(levels) - 1
             out = slice(at, at + (0 if last else 2 * tiles))
+            # (each view made once: the next level reads what this one writes; a view costs a few us of host time)
+            keys_out, vals_out, info_out = all_keys[out], all_vals[out], all_info[out]
             launch(kernel)[(tiles, self.block_d // block_d)](
                 keys, n, self.perm, self.src_row if self.src_row is not None else self.perm,
                 self.scale if self.scale is not None else src, src, stride, self.src_bags, self.src_meta,
-                info_in, all_keys[out], all_vals[out], all_info[out], *args,
+                info_in, keys_out, vals_out, info_out, *args,
                 FIRST=level == 0, LAST=last, HAS_SRC_ROW=self.src_row is not None,
                 HAS_SCALE=self.scale is not None, COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=block_d,
                 ROW_D=self.block_d,
                 num_warps=warps, **constexprs,
             )
-            keys, src, stride, info_in, at = all_keys[out], all_vals[out], self.block_d, all_info[out], out.stop
+            keys, src, stride, info_in, at = keys_out, vals_out, self.block_d, info_out, out.stop
 
 
 # Triton reads this when the kernels are defined (a constexpr global): see _run_sums
