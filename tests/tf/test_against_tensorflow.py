@@ -1,6 +1,6 @@
 """embfuse.tf against TensorFlow itself, where it is installed (`pip install tensorflow-cpu`; CI
 does not need it, and these tests are skipped there): random batches through both, float64
-tables, outputs and table gradients compared."""
+tables, outputs and the gradients of the tables and of the sparse weights compared."""
 
 
 import numpy as np
@@ -76,6 +76,37 @@ def test_embedding_lookup_sparse_gives_tensorflows_numbers(combiner, weighted, s
     got = torch.autograd.grad(out, shards, g, allow_unused=True)
     for a, b, s in zip(got, want_grads, shards):
         np.testing.assert_allclose(torch.zeros_like(s) if a is None else a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("default_id", [None, 2])
+@pytest.mark.parametrize("max_norm", [None, 0.7])
+@pytest.mark.parametrize("strategy,num_shards,rank", [("div", 1, 2), ("mod", 3, 2), ("div", 3, 3)])
+def test_sparse_weights_get_tensorflows_gradient(combiner, default_id, max_norm, strategy, num_shards, rank):
+    """The gradient of sum(out * g) with respect to sparse_weights' values (coalesced: the order
+    batch() makes them in), TensorFlow's against ours."""
+    sizes = {1: [17], 3: [5, 4, 4]}[num_shards]
+    torch.manual_seed(num_shards * 10 + rank + 400)
+    shards = [torch.randn(n, 3, dtype=torch.float64) for n in sizes]
+    shape, entries = batch(rank, True, True, sum(sizes), seed=rank * 7 + num_shards + 400)
+    ids = sparse([(at, i) for at, i, _ in entries], shape).coalesce()
+    w = sparse([(at, wt) for at, _, wt in entries], shape, dtype=torch.float64).coalesce().requires_grad_()
+    params = shards[0] if num_shards == 1 else shards
+    out = safe_embedding_lookup_sparse(params, ids, w, combiner=combiner, default_id=default_id, max_norm=max_norm,
+                                       partition_strategy=strategy)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, w, g)
+    values = tf.Variable(np.array([wt for *_, wt in entries]))
+    tf_ids = _tf_sparse(shape, entries, [i for _, i, _ in entries])
+    tf_params = [tf.constant(s.numpy()) for s in shards]
+    with tf.GradientTape() as tape:
+        tf_w = tf.SparseTensor(_tf_sparse(shape, entries, [0.0] * len(entries)).indices, values, shape)
+        tf_out = tf.compat.v1.nn.safe_embedding_lookup_sparse(
+            tf_params if num_shards > 1 else tf_params[0], tf_ids, tf_w, combiner=combiner, default_id=default_id,
+            max_norm=max_norm, partition_strategy=strategy)
+        loss = tf.reduce_sum(tf_out * g.numpy())
+    want = tf.convert_to_tensor(tape.gradient(loss, values)).numpy()
+    np.testing.assert_allclose(got.coalesce().values().numpy(), want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("strategy", ["mod", "div"])

@@ -145,6 +145,39 @@ def test_safe_lookup_matches_tensorflows_rules(device, combiner, weighted, defau
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("default_id,max_norm,num_shards", [(None, None, 1), (2, None, 1), (2, 0.7, 3)])
+def test_sparse_weights_get_tensorflows_gradient(device, combiner, default_id, max_norm, num_shards):
+    """Coalesced sparse_weights that require a gradient get one, as TensorFlow's do (pruned entries
+    a zero): against the oracle's, entry by entry, float64. Uncoalesced ones are refused, as is
+    a gradient through the module (its values would reach the lookup detached)."""
+    sizes = {1: [17], 3: [5, 4, 4]}[num_shards]
+    shards = [torch.randn(n, 3, dtype=torch.float64, device=device) for n in sizes]
+    shape, entries = batch(2, True, True, sum(sizes), seed=11 + num_shards)  # row-major, unique: coalesced order
+    ids = sparse([(at, i) for at, i, _ in entries], shape, device).coalesce()
+    w = sparse([(at, wt) for at, _, wt in entries], shape, device, torch.float64).coalesce().requires_grad_()
+    params = shards[0] if num_shards == 1 else shards
+    out = safe_embedding_lookup_sparse(params, ids, w, combiner=combiner, default_id=default_id, max_norm=max_norm,
+                                       partition_strategy="div")
+    g = torch.randn(out.shape, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, w, g.to(device))
+    ws = [torch.tensor(wt, dtype=torch.float64, requires_grad=True) for *_, wt in entries]
+    flat = [(at[0], i, wt) for (at, i, _), wt in zip(entries, ws)]
+    want = oracle([s.cpu() for s in shards], flat, shape[:-1], combiner, default_id, max_norm, "div", safe=True)
+    expect = torch.autograd.grad(want, ws, g, allow_unused=True)
+    expect = torch.stack([torch.zeros((), dtype=torch.float64) if e is None else e for e in expect])
+    assert torch.equal(got.coalesce().indices().cpu(), ids.indices().cpu())
+    torch.testing.assert_close(got.coalesce().values().cpu(), expect, rtol=1e-10, atol=1e-12)
+    assert expect.abs().sum() > 0
+    loose_ids = sparse([(at, i) for at, i, _ in entries], shape, device)
+    loose_w = sparse([(at, wt) for at, _, wt in entries], shape, device, torch.float64).requires_grad_()
+    with pytest.raises(NotImplementedError, match="must be coalesced"):
+        safe_embedding_lookup_sparse(params, loose_ids, loose_w)
+    with torch.no_grad():  # (no gradient asked: no refusal)
+        safe_embedding_lookup_sparse(params, loose_ids, loose_w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_lookup_sparse_in_low_precision_matches_float64(device, dtype, combiner):
@@ -179,9 +212,9 @@ def test_bad_input_is_refused_clearly():
         safe_embedding_lookup_sparse(table, torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1]), (3,)))
     with pytest.raises(TypeError, match="sparse COO tensor"):
         safe_embedding_lookup_sparse(table, torch.tensor([[1, 2]]))
-    w = sparse([((0, 0), 0.5)], (1, 2), dtype=torch.float32).requires_grad_()
-    with pytest.raises(NotImplementedError, match="sparse_weights get no gradient"):
-        safe_embedding_lookup_sparse(table, sparse([((0, 0), 1)], (1, 2)), w)
+    w = sparse([((0, 0), 0.5)], (1, 2), dtype=torch.float32).coalesce().requires_grad_()
+    with pytest.raises(NotImplementedError, match="sparse_weights get no gradient from SafeEmbeddingBag"):
+        embfuse.tf.SafeEmbeddingBag(10, 4)(sparse([((0, 0), 1)], (1, 2)).coalesce(), w)
     with pytest.raises(ValueError, match="combiner must be one of"):
         safe_embedding_lookup_sparse(table, ids, combiner="max")
     with pytest.raises(IndexError, match="default_id 12 is out of range"):

@@ -137,7 +137,10 @@ def _sparse_parts(sp: Tensor, what: str) -> tuple[Tensor, Tensor, tuple[int, ...
     return sp._indices(), sp._values(), tuple(sp.shape)
 
 
-def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tensor]:
+def _weights_of(sp_weights: Optional[Tensor], indices: Tensor, grad: bool = False) -> Optional[Tensor]:
+    """The weights' values, checked against the ids' indices. `grad`: the caller can give them a
+    gradient (the composed path): they come differentiable then, which torch allows only for a
+    coalesced sparse tensor."""
     if sp_weights is None:
         return None
     w_idx, w, _ = _sparse_parts(sp_weights, "sparse_weights")
@@ -146,9 +149,14 @@ def _weights_of(sp_weights: Optional[Tensor], indices: Tensor) -> Optional[Tenso
         raise BadArgumentError("sparse_weights must have the same indices as sparse_ids")
     if not w.is_floating_point():
         raise BadDtypeError(f"sparse_weights must be floating point, got {w.dtype}")
-    if sp_weights.requires_grad:  # (a sparse tensor's values reach the lookup detached: no silent zero gradient)
-        raise UnsupportedError("sparse_weights get no gradient from embfuse.tf's lookups (TensorFlow's would); "
-                               "detach them, or look up with embfuse.embedding_bag's per_sample_weights")
+    if sp_weights.requires_grad and torch.is_grad_enabled():  # (no silent zero gradient: _values() is detached)
+        if not grad:
+            raise UnsupportedError("sparse_weights get no gradient from SafeEmbeddingBag or keyed_batch; detach "
+                                   "them, or use embfuse.tf.safe_embedding_lookup_sparse, which gives them one")
+        if not sp_weights.is_coalesced():
+            raise UnsupportedError("sparse_weights that require a gradient must be coalesced (torch differentiates "
+                                   "a sparse tensor's values() only then): .coalesce() them and sparse_ids alike")
+        return sp_weights.values()
     return w
 
 
@@ -169,6 +177,12 @@ def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_
     return torch.where(div[:, None] != 0, out / torch.where(div != 0, div, 1)[:, None], 0).to(table.dtype)
 
 
+def _wants_grad(weights: Optional[Tensor]) -> bool:
+    """Whether the weights take a gradient: the lookup then takes the composed path (torch ops,
+    TensorFlow's graph), which autograd differentiates with respect to them too."""
+    return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+
+
 def _combiner(combiner: Optional[str]) -> str:
     combiner = "mean" if combiner is None else combiner
     if combiner not in COMBINERS:
@@ -187,12 +201,12 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     indices, ids, shape = _sparse_parts(sp_ids, "sp_ids")
     if len(shape) != 2:
         raise BadArgumentError(f"sp_ids must be 2-D (use safe_embedding_lookup_sparse for higher ranks), got {shape}")
-    weights = _weights_of(sp_weights, indices)
+    weights = _weights_of(sp_weights, indices, grad=True)
     ids = ids.long()
     _check_ids(ids, _total_rows(shards, partition_strategy), "embedding_lookup_sparse")
     rows = indices[0].contiguous()
     num_rows = int(rows.max()) + 1 if rows.numel() else 0
-    if len(shards) == 1 and max_norm is None:  # every entry kept, ids checked above
+    if len(shards) == 1 and max_norm is None and not _wants_grad(weights):  # every entry kept, ids checked above
         return pool_one_table(shards[0], rows, ids, weights, num_rows, combiner, None, ordered=sp_ids.is_coalesced(),
                               checked=True)
     return combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_strategy, max_norm)
@@ -226,14 +240,14 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     combiner = _combiner(combiner)
     shards = _shards(embedding_weights, "safe_embedding_lookup_sparse")
     indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
-    weights = _weights_of(sparse_weights, indices)
+    weights = _weights_of(sparse_weights, indices, grad=True)
     total = _total_rows(shards, partition_strategy)
     if default_id is not None and not 0 <= default_id < total:
         raise BadIdError(f"default_id {default_id} is out of range for a table of {total} rows")
     batch = 1
     for s in shape[:-1]:
         batch *= s
-    if len(shards) == 1 and max_norm is None:
+    if len(shards) == 1 and max_norm is None and not _wants_grad(weights):
         out = pool_one_table(shards[0], entry_rows(indices, shape), ids, weights, batch, combiner,
                              safe_rule(combiner, weights is not None, default_id), ordered=sparse_ids.is_coalesced())
         return out.reshape(*shape[:-1], shards[0].shape[1])
