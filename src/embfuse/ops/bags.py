@@ -375,7 +375,8 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
             meta.stride(0), SKIPPED if skips else padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
             HAS_PADDING=padding_idx >= 0 or skips, COLD=cold is not None,
             NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),
-            STATUS=status is not None, TAIL=tail and cold is None, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+            STATUS=status is not None, TAIL=tail and cold is None, BAGS=tuning.BAGS_PER_PROGRAM,
+            BLOCK=tuning.VALUES_PER_STEP)
     return keys, bag, scale
 
 

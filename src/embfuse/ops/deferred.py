@@ -206,8 +206,8 @@ def _inductor_graph() -> bool:
 
 
 def _weakly(raise_error):
-    """`raise_error` (a functools.partial) holding its tensors weakly, for a check made while
-    Inductor's CUDA graphs record (its inputs may be their pool's memory). A view is
+    """`raise_error` (a functools.partial) holding its tensors weakly, for a check made inside
+    Inductor's CUDA graphs (_inductor_graph: its inputs may be their pool's memory). A view is
     kept as a weak reference to its base (a graph's reshape of the user's ids dies with the graph;
     the ids do not). When a tensor is gone by the report, this raises nothing and
     DeviceLog._fail says what the GPU saw (the flags, without a position)."""
@@ -282,18 +282,20 @@ class DeviceLog:
         self.poll()
         self.seq += 1
         seq = self.seq
+        if _inductor_graph():
+            raise_error = _weakly(raise_error)
         if capturing(self.status) or tracing():
             slot = self.next_graph_slot
             self.next_graph_slot = self.RING + (slot + 1 - self.RING) % self.RING
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph() else raise_error, what)
+            check = Check(status, seq, slot, raise_error, what)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
         status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, _weakly(raise_error) if _inductor_graph() else raise_error, what)
+        check = Check(status, seq, slot, raise_error, what)
         if track:
             self.pending.append(check)
         return check

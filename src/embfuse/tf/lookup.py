@@ -178,9 +178,10 @@ def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_
 
 
 def _wants_grad(weights: Optional[Tensor]) -> bool:
-    """Whether the weights take a gradient: the lookup then takes the composed path (torch ops,
-    TensorFlow's graph), which autograd differentiates with respect to them too."""
-    return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+    """Whether the weights (from _weights_of: differentiable only when a gradient is asked for)
+    take a gradient: the lookup then takes the composed path (torch ops, TensorFlow's graph),
+    which autograd differentiates with respect to them too."""
+    return weights is not None and weights.requires_grad
 
 
 def _combiner(combiner: Optional[str]) -> str:
