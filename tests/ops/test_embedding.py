@@ -5,6 +5,8 @@ import torch.nn.functional as F
 import embfuse
 from embfuse.ops.embedding import embedding_forward, embedding_reference
 from embfuse.ops import tuning
+from embfuse.optim import Adam, apply_sparse_update, apply_sparse_update_reference
+from embfuse.optim.rules import init_state
 from embfuse.ops.segments import (Layout, reduce_segments, rowwise_grad, rowwise_grad_reference, segment_grad,
                                   segment_grad_reference, single_table)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
@@ -97,6 +99,39 @@ def test_backward_hot_row_spanning_tiles(freq, D, tiles, monkeypatch):
     ref = segment_grad_reference(ids, grad.double(), None, None, 50, -1, freq, torch.float64)
     assert_close(got, ref, torch.float32, reduction=n)
     assert torch.equal(got, segment_grad(ids, grad, None, None, 50, -1, freq, torch.float32))
+
+
+@requires_kernels
+@pytest.mark.parametrize("opt", [None, Adam(lr=0.05)], ids=["grad", "adam"])
+@pytest.mark.parametrize("tree_level", [tuning.TREE_LEVEL, 100])
+def test_a_deep_tree_of_levels_in_one_launch(opt, tree_level, monkeypatch):
+    """The upper levels run as one tree in one launch (Segments.launch). 20000 positions in
+    32-entry tiles make levels 2-4 of 1250, 80 and 6 entries: programs of level 2 go on to
+    levels 3 and 4 when they finish last. With a tree from 100 entries on, level 2 is a launch of
+    its own and the tree starts at level 3. A few hot rows span every level; Adam's programs
+    take 32 of the 64 columns, so each column block keeps its own counters. Against the
+    float64 reference, and bitwise the same on a second call."""
+    monkeypatch.setattr(tuning, "SMALL_LEVEL", 0)
+    monkeypatch.setattr(tuning, "TREE_LEVEL", tree_level)
+    n, N, D = 20000, 300, 64
+    ids = torch.randint(0, N, (n,), device=KERNEL_DEVICE)
+    ids[::2], ids[1::7] = 5, 17
+    ids[::13] = -1
+    src = torch.randn(n, D, device=KERNEL_DEVICE)
+    if opt is None:
+        got = [segment_grad(ids, src, None, None, N, -1, False, torch.float32) for _ in range(2)]
+        want = segment_grad_reference(ids, src.double(), None, None, N, -1, False, torch.float64)
+    else:
+        base = torch.randn(N, D, device=KERNEL_DEVICE)
+        got = []
+        for _ in range(2):
+            w, state = base.clone(), init_state(opt, N, D, KERNEL_DEVICE)
+            apply_sparse_update(w, state, opt, ids, src, kernel=True)
+            got.append(w)
+        want, state = base.double(), {k: v.double() for k, v in init_state(opt, N, D, KERNEL_DEVICE).items()}
+        apply_sparse_update_reference(want, state, opt, ids, src.double(), None, None, 1)
+    assert_close(got[0], want, torch.float32, reduction=n // 2)
+    assert torch.equal(got[0], got[1])
 
 
 @requires_kernels

@@ -165,42 +165,56 @@ class Segments:
     def launch(self, kernel, *args, count=False, columns=None, **constexprs):
         """Every level; `args` follow the kernel's shared leading arguments. Level 1 reduces the
         sorted positions in tiles; the partial sums of runs that cross tile edges (two slots a
-        tile: the run coming in, the run going on) are the input of the next level, a problem
-        a tile's size times smaller, until one tile holds everything. `columns`: the tiles'
-        columns are cut in blocks of this many (a power of two), a program each, so that a
-        program holds fewer registers (None: whole rows, as row-wise state needs). Each block
-        loads the tile's keys and source rows again; where the tile's registers spilled, that
-        costs less than the spills (tuning.GRAD_COLUMNS, tuning.update_columns)."""
+        tile: the run coming in, the run going on) are the entries of level 2, a problem a
+        tile's size times smaller, and so on until one tile holds everything.
+
+        A level of more than tuning.TREE_LEVEL entries is a launch of its own; the levels after
+        run as one tree in one launch: a program a tile of its first level, and the program that
+        finishes last of the tiles feeding a tile of the next level (counted in `counters`) goes
+        on with that tile. A launch cost about 50 us of host time, and the step of a small batch
+        is host-bound (NOTES: "the upper levels in one launch"). `columns`: the tiles' columns
+        are cut in blocks of this many (a power of two), a program each, so that a program holds
+        fewer registers (None: whole rows, as row-wise state needs). Each block loads the tile's
+        keys and source rows again; where the tile's registers spilled, that costs less than the
+        spills (tuning.GRAD_COLUMNS, tuning.update_columns)."""
         dev = self.sorted_key.device
         block_d = self.width(columns)
-        levels, n = [], self.n  # (entries, entries a tile, warps, tiles) of each level
-        while True:
-            block_k, warps = tuning.level_shape(block_d, n)
-            levels.append((n, block_k, warps, cdiv(n, block_k)))
-            if levels[-1][3] == 1:
-                break
-            n = 2 * levels[-1][3]
-        # the entries of every level after the first, allocated at once
-        total = sum(n for n, *_ in levels[1:])
-        all_keys = torch.empty(total, dtype=self.sorted_key.dtype, device=dev)
-        all_vals = torch.empty(total, self.block_d, dtype=torch.float32, device=dev)
-        all_info = torch.empty(total, 2, dtype=torch.int32, device=dev)
-        keys, src, stride, info_in, at = self.sorted_key, self.src, self.src_stride, self.sorted_key, 0
-        for level, (n, block_k, warps, tiles) in enumerate(levels):
-            last = level == len(levels) - 1
-            out = slice(at, at + (0 if last else 2 * tiles))
-            # (each view made once: the next level reads what this one writes; a view costs a few us of host time)
-            keys_out, vals_out, info_out = all_keys[out], all_vals[out], all_info[out]
-            launch(kernel)[(tiles, self.block_d // block_d)](
-                keys, n, self.perm, self.src_row if self.src_row is not None else self.perm,
-                self.scale if self.scale is not None else src, src, stride, self.src_bags, self.src_meta,
-                info_in, keys_out, vals_out, info_out, *args,
-                FIRST=level == 0, LAST=last, HAS_SRC_ROW=self.src_row is not None,
-                HAS_SCALE=self.scale is not None, COUNT=count, VEC=self.vec, BLOCK_K=block_k, BLOCK_D=block_d,
-                ROW_D=self.block_d,
-                num_warps=warps, **constexprs,
-            )
-            keys, src, stride, info_in, at = keys_out, vals_out, self.block_d, info_out, out.stop
+        blocks = self.block_d // block_d
+        block_k, warps = tuning.level_shape(block_d, self.n)
+        tiles = cdiv(self.n, block_k)
+        # the upper levels' (entries, tile shape); the tree (from level `tree`, there always is
+        # one: the last level fits a tile) takes its first level's shape throughout
+        levels, n, tree, shape = [], 2 * tiles, None, None
+        while tiles > 1:
+            if tree is None and n <= tuning.TREE_LEVEL:
+                tree, shape = len(levels), tuning.level_shape(block_d, n)
+            levels.append((n, shape or tuning.level_shape(block_d, n)))
+            tiles = cdiv(n, levels[-1][1][0])
+            n = 2 * tiles
+        # their entries one after another, then two spare (the last tile writes its two slots,
+        # both empty); a counter a tile of the tree's levels after its first
+        total = sum(n for n, _ in levels)
+        all_keys = torch.empty(total + 2, dtype=self.sorted_key.dtype, device=dev)
+        all_vals = torch.empty(total + 2, self.block_d, dtype=torch.float32, device=dev)
+        all_info = torch.empty(total + 2, 2, dtype=torch.int32, device=dev)
+        counted = sum(cdiv(n, k) for n, (k, _) in levels[tree + 1:]) if levels else 0
+        counters = torch.zeros(counted * blocks, dtype=torch.int32, device=dev) if counted else all_info
+        shared = dict(HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None, COUNT=count,
+                      VEC=self.vec, BLOCK_D=block_d, ROW_D=self.block_d, **constexprs)
+        launch(kernel)[(cdiv(self.n, block_k), blocks)](
+            self.sorted_key, self.n, self.perm, self.src_row if self.src_row is not None else self.perm,
+            self.scale if self.scale is not None else self.src, self.src, self.src_stride, self.src_bags,
+            self.src_meta, self.sorted_key, all_keys, all_vals, all_info, counters, 0, 1, *args,
+            FIRST=True, LAST=not levels, BLOCK_K=block_k, num_warps=warps, **shared)
+        at = 0
+        for i, (n, (k, w)) in enumerate(levels):
+            if i <= tree:  # a level of its own, or the tree's first and all after it
+                launch(kernel)[(cdiv(n, k), blocks)](
+                    all_keys, n, self.perm, self.perm, all_vals, all_vals, self.block_d, self.src_bags,
+                    self.src_meta, all_info, all_keys, all_vals, all_info, counters, at,
+                    1 if i < tree else len(levels) - i, *args,
+                    FIRST=False, LAST=False, BLOCK_K=k, num_warps=w, **shared)
+            at += n
 
 
 # Triton reads this when the kernels are defined (a constexpr global): see _run_sums
@@ -239,28 +253,76 @@ def columns(BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _peek(ptr, mask, other, FIRST: tl.constexpr):
+    """A load of a level's keys or entries. Upper levels read what other programs of their launch
+    wrote: from L2 (.cg), never from an SM's L1, which is not kept coherent."""
+    if FIRST:
+        return tl.load(ptr, mask=mask, other=other)
+    else:
+        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
+
+
+@triton.jit
+def next_level(counters, tile, n, at, ctr, levels, BLOCK_K: tl.constexpr):
+    """After a tile of an upper level (n entries from entry `at` of the upper buffers) wrote its
+    two entries of the next level: whether this program goes on with the next level's tile that
+    they feed, and that tile's (tile, n, at, ctr, levels). `levels`: the levels this launch
+    takes, this one included; `ctr`: where the counters of the next level's tiles start. A
+    program goes on when it is the last of the tile's feeding programs to count itself in: the
+    others' entries are then written (release: every thread's stores before the count; acquire:
+    the tile's loads after it)."""
+    tiles = (n + BLOCK_K - 1) // BLOCK_K
+    go = (tiles > 1) & (levels > 1)
+    half: tl.constexpr = BLOCK_K // 2
+    u = tile // half
+    nxt = 2 * tiles
+    if go:
+        tl.debug_barrier()
+        seen = tl.atomic_add(counters + (ctr + u) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
+        go = seen == tl.minimum(half, tiles - u * half) - 1
+    return go, u, nxt, at + n, ctr + (nxt + BLOCK_K - 1) // BLOCK_K, levels - 1
+
+
+@triton.jit
 def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                 info_out, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                 ROW_D: tl.constexpr):
-    """One tile of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
+                 info_out, tile, at, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
+    """Tile `tile` of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
     (the partial rows' width). Returns, for its BLOCK_K entries: (global row, width, first element,
-    fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the entries
-    are sorted positions, gathered from src; later levels read the partial rows of the one before,
-    and each entry's (source feature, count) from `info_in`. The row's table is never looked up
-    from the key: per-row gathers from the table arrays cost several times the tile's own work
-    (measured: Triton replicates anything derived from the key per thread)."""
-    tile = tl.program_id(0).to(tl.int64)
+    fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the
+    entries are sorted positions, gathered from src, and the next level's entries go to the start
+    of the upper buffers (keys_out, vals_out, info_out). Upper levels: the level's n entries start
+    at entry `at` of the upper buffers (keys, src, info_in: the partial rows of the level before,
+    each entry's (source feature, count)), and the next level's follow them. The row's table is
+    never looked up from the key: per-row gathers from the table arrays cost several times the
+    tile's own work (measured: Triton replicates anything derived from the key per thread)."""
+    if not FIRST:
+        base_at = at.to(tl.int64)
+        keys += base_at
+        src += base_at * ROW_D
+        info_in += 2 * base_at
+        keys_out += base_at + n
+        vals_out += (base_at + n) * ROW_D
+        info_out += 2 * (base_at + n)
+    tile = tile.to(tl.int64)
     cols = columns(BLOCK_D)
     first = tile * BLOCK_K
     last = tl.minimum(first + BLOCK_K, n) - 1
     j = first + tl.arange(0, BLOCK_K)
     inside = j < n
-    key = tl.load(keys + j, mask=inside, other=-1)
+    key = _peek(keys + j, inside, -1, FIRST)
     real = inside & (key >= 0)
-    prev = tl.load(keys + first - 1, mask=tile > 0, other=-2)
-    nxt = tl.load(keys + j + 1, mask=j + 1 < n, other=-2)
-    before = tl.load(keys + j - 1, mask=inside & (j > 0), other=-2)
+    if FIRST:  # the key before the tile, and after each entry
+        prev = tl.load(keys + first - 1, mask=tile > 0, other=-2)
+        nxt = tl.load(keys + j + 1, mask=j + 1 < n, other=-2)
+    else:
+        # only this tile's entries, which its feeding programs have written (next_level; the
+        # neighbours' may not be yet): the head slot holds the key of the run coming in across
+        # the tile's first edge (else -1), the tail slot that of the run going on past its last
+        prev = _peek(keys + first, True, -2, FIRST)
+        nxt = tl.where(j == last, key, _peek(keys + j + 1, j < last, -2, FIRST))
+    before = _peek(keys + j - 1, inside & (j > first), -2, FIRST)
     # 1-D loads are masked by `inside` alone (in bounds for any key): Triton 3.6 failed to
     # compile a load whose mask derived from `key` (layout mismatch, "mask type matches ptr
     # type") when key also fed a tl.dot here
@@ -283,8 +345,8 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         # partial rows (zero past their width); an odd (tail) entry with its tile's head key is
         # a run that covered the whole tile: already in the head entry, left unwritten
         covered = (j % 2 == 1) & (before == key)
-        x = tl.load(src + j[:, None] * ROW_D + cols[None, :], mask=(real & ~covered)[:, None], other=0.0)
-        f = tl.load(info_in + 2 * j, mask=inside, other=0).to(tl.int64)
+        x = _peek(src + j[:, None] * ROW_D + cols[None, :], (real & ~covered)[:, None], 0.0, FIRST)
+        f = _peek(info_in + 2 * j, inside, 0, FIRST).to(tl.int64)
         D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
     # the row's table from the source side: its feature's first element and global row of key 0
     base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=inside, other=0) + key * D, VEC)
@@ -297,7 +359,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         if FIRST:
             cnt = tl.sum((same & real[None, :]).to(tl.int32), axis=1)
         else:
-            c = tl.where(covered, 0, tl.load(info_in + 2 * j + 1, mask=inside, other=0))
+            c = tl.where(covered, 0, _peek(info_in + 2 * j + 1, inside, 0, FIRST))
             cnt = tl.sum(tl.where(same & real[None, :], c[None, :], 0), axis=1)
     else:
         cnt = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -332,19 +394,39 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
 
 
 @triton.jit
-def _segment_grad_kernel(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, grad,
-    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
-    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
-):
+def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
+               info_out, tile, at, grad, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
+               HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     _row, D, base, acc, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        tile, at, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
     cols = columns(BLOCK_D)
     tl.store(grad + base[:, None] + cols[None, :], acc.to(grad.dtype.element_ty),
              mask=done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None]))
+
+
+@triton.jit
+def _segment_grad_kernel(
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
+    at, levels, grad, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
+):
+    if FIRST:
+        _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
+                   info_out, tl.program_id(0), 0, grad, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+                   BLOCK_D, ROW_D)
+    else:  # upper levels, `levels` of them from entry `at` (Segments.launch)
+        # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
+        tile, ctr, at, levels = tl.program_id(0), n * 0, at + n * 0, levels + n * 0
+        go = levels > 0
+        while go:
+            _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
+                       vals_out, info_out, tile, at, grad, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+                       BLOCK_D, ROW_D)
+            go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 
 
 def reduce_segments(keys, layout: Layout, src, out, scale_by_freq=False, **src_args):

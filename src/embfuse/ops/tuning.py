@@ -81,6 +81,12 @@ def check_chunks(n: int) -> int:
 
 # levels of at most this many entries take the small-level tile shape (see level_shape)
 SMALL_LEVEL = 65536
+# levels of at most this many entries run as one tree in one launch (ops/segments.py); larger ones
+# are GPU-bound and a launch each. H100, the Criteo step: all upper levels as one tree took 268 us
+# of GPU time at B16384 (level 2: 1.3M entries) against 234 in five launches, and 58 against 66 at
+# B2048 (level 2: 166K), where it also saved three launches of host time (NOTES: "the upper
+# levels in one launch")
+TREE_LEVEL = 1 << 19
 # columns a program of the gradient kernel takes: whole rows (64 showed no gain above the bench's
 # spread; NOTES: "gradient columns")
 GRAD_COLUMNS = None

@@ -14,7 +14,8 @@ from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops.bags import DIM, OUT_COL, ROW_START, accumulation, backward_inputs, backward_inputs_reference
 from embfuse.ops.collection import one_width, table_view
 from embfuse.ops.deferred import known_good
-from embfuse.ops.segments import Layout, Segments, columns, row_sums_reference, segment_rows, single_table
+from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
+                                  single_table)
 from embfuse.ops import tuning
 from embfuse.optim.rules import K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, Hyper, stochastic_round_reference
 
@@ -111,20 +112,17 @@ def _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed
         _update_rows(weight, state1, state2, g1, q1, r1, d1, b1, k1, hp, seed, VEC, BLOCK_D, KIND, WD, DROP)
 
 
-# the seed is the step number: specialising on it (1, multiples of 16) would compile new
-# variants in the middle of training, seconds each
-@triton.jit(do_not_specialize=["seed"])
-def _fused_update_kernel(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-    weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
+@triton.jit
+def _update_tile(
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, tile, at,
+    weight, state1, state2, hp, seed,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
-    hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        tile, at, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
@@ -136,6 +134,32 @@ def _fused_update_kernel(
     # the state of the whole tile do not fit in registers together (see tuning.update_in_quarters)
     _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed, VEC, BLOCK_K, BLOCK_D, KIND, WD, DROP,
                    QUARTERS)
+
+
+# the seed is the step number: specialising on it (1, multiples of 16) would compile new
+# variants in the middle of training, seconds each
+@triton.jit(do_not_specialize=["seed"])
+def _fused_update_kernel(
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
+    at, levels, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
+    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
+    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
+):
+    hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
+    if FIRST:
+        _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
+                     info_out, tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, LAST, HAS_SRC_ROW,
+                     HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
+    else:  # upper levels, `levels` of them from entry `at` (ops/segments.py Segments.launch)
+        # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
+        tile, ctr, at, levels = tl.program_id(0), n * 0, at + n * 0, levels + n * 0
+        go = levels > 0
+        while go:
+            _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
+                         vals_out, info_out, tile, at, weight, state1, state2, hp, seed, FIRST, LAST, HAS_SRC_ROW,
+                         HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
+            go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 
 
 def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **src_args):
