@@ -4,7 +4,7 @@
 
 with c_r = 1 / count_r under scale_grad_by_freq, else 1; key -1 means "no row" (padding, a
 skipped id). Rows live in a `Layout`: one or many tables of any widths packed in one flat buffer
-(a single table is the case T = 1), so one launch a level serves a whole table collection.
+(a single table is the case T = 1), so the same launches serve a whole table collection.
 
 The keys are sorted once. Level 1 gives each program a tile of BLOCK_K consecutive sorted
 positions (or a block of the tile's columns, see Segments.launch): it gathers their gradient
@@ -13,8 +13,9 @@ the tile, in each thread's registers (_run_sums). A run that starts and ends in 
 finished there. The partial sums of runs that cross a tile edge become the entries of level 2,
 the same problem a tile's size times smaller, and so on until one tile holds the rest: a hot row
 met a million times is finished after a few levels of parallel tiles, never by one program
-walking its run. Fixed orders throughout: bitwise the same result every call, no atomics, and
-nothing read back to the host (so the backward runs in CUDA graphs).
+walking its run. The small upper levels run as one tree in one launch (Segments.launch). Fixed
+orders throughout: bitwise the same result every call, no atomic sums (the tree's only atomics
+count programs), and nothing read back to the host (so the backward runs in CUDA graphs).
 Rows no key touches keep what the output held (zeros for a dense gradient).
 """
 

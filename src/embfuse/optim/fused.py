@@ -1,9 +1,9 @@
 """Backward fused with the optimizer: the gradient never materialises as a dense table.
 
-The ids are sorted and each run of equal ids reduced in a fixed order (ops/_segment.py: tiles
+The ids are sorted and each run of equal ids reduced in a fixed order (ops/segments.py: tiles
 of sorted positions, then level by level the runs that cross tiles); the program that finishes
 a row's gradient reads the row's weight and state, applies the rule and writes them back. In
-place, deterministic, no atomics.
+place, deterministic, no atomic sums.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, 
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
                       status=None):
     """A fused update of a table collection's flat `weights` (and flat `state`) from the
-    gradient of its pooled output: one sort and one launch a level for every table. `status`:
+    gradient of its pooled output: one sort and the reduction's launches for every table. `status`:
     the batch's deferred check (ops/validate.py); a bad batch updates nothing."""
     if kernel is None:
         kernel = use_kernels(weights) and weights.dtype != torch.float64
