@@ -192,13 +192,15 @@ class Segments:
             levels.append((n, shape or tuning.level_shape(block_d, n)))
             tiles = cdiv(n, levels[-1][1][0])
             n = 2 * tiles
-        # their entries one after another, then two spare (the last tile writes its two slots,
-        # both empty); a counter a tile of the tree's levels after its first
+        # their entries one after another, then two spare (the last level's tile, level 1's when
+        # it is the only one, writes its two slots, both empty); a counter a tile of the tree's
+        # levels after its first
         total = sum(n for n, _ in levels)
         all_keys = torch.empty(total + 2, dtype=self.sorted_key.dtype, device=dev)
         all_vals = torch.empty(total + 2, self.block_d, dtype=torch.float32, device=dev)
         all_info = torch.empty(total + 2, 2, dtype=torch.int32, device=dev)
         counted = sum(cdiv(n, k) for n, (k, _) in levels[tree + 1:]) if levels else 0
+        # (with nothing to count, any tensor: no program reads it)
         counters = torch.zeros(counted * blocks, dtype=torch.int32, device=dev) if counted else all_info
         shared = dict(HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None, COUNT=count,
                       VEC=self.vec, BLOCK_D=block_d, ROW_D=self.block_d, **constexprs)
@@ -206,7 +208,7 @@ class Segments:
             self.sorted_key, self.n, self.perm, self.src_row if self.src_row is not None else self.perm,
             self.scale if self.scale is not None else self.src, self.src, self.src_stride, self.src_bags,
             self.src_meta, self.sorted_key, all_keys, all_vals, all_info, counters, 0, 1, *args,
-            FIRST=True, LAST=not levels, BLOCK_K=block_k, num_warps=warps, **shared)
+            FIRST=True, BLOCK_K=block_k, num_warps=warps, **shared)
         at = 0
         for i, (n, (k, w)) in enumerate(levels):
             if i <= tree:  # a level of its own, or the tree's first and all after it
@@ -214,7 +216,7 @@ class Segments:
                     all_keys, n, self.perm, self.perm, all_vals, all_vals, self.block_d, self.src_bags,
                     self.src_meta, all_info, all_keys, all_vals, all_info, counters, at,
                     1 if i < tree else len(levels) - i, *args,
-                    FIRST=False, LAST=False, BLOCK_K=k, num_warps=w, **shared)
+                    FIRST=False, BLOCK_K=k, num_warps=w, **shared)
             at += n
 
 
@@ -286,7 +288,7 @@ def next_level(counters, tile, n, at, ctr, levels, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                 info_out, tile, at, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 info_out, tile, at, FIRST: tl.constexpr,
                  HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     """Tile `tile` of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
@@ -371,37 +373,37 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     head_row = real & (j == first) & (key == prev)
     head_sum = real & (key == prev) & (ends | (j == last))
     tail_row = real & (j == last) & ~ends
-    if not LAST:
-        slot = 2 * tile + 0 * j
-        # the next level's entries of this tile: its head run's partial, then its tail run's
-        # (the same key, and no row written, when one run covers the whole tile: its partial is
-        # the head's; the next level knows it by the key)
-        tail_new = tail_row & (key != prev)
-        tl.store(keys_out + slot, tl.where(head_row, key, -1), mask=j == first)
-        tl.store(keys_out + slot + 1, tl.where(tail_row, key, -1), mask=j == last)
-        at = slot[:, None] * ROW_D + cols[None, :]
-        tl.store(vals_out + at, acc, mask=head_sum[:, None])
-        tl.store(vals_out + at + ROW_D, acc, mask=tail_new[:, None])
-        # (every slot gets a feature: the next level reads it for any entry, real or not; with
-        # several column blocks each writes the same keys and features)
-        info = info_out + 2 * slot
-        tl.store(info, tl.where(head_row, f, 0).to(tl.int32), mask=j == first)
-        tl.store(info + 2, tl.where(tail_row, f, 0).to(tl.int32), mask=j == last)
-        if COUNT:
-            tl.store(info + 1, cnt, mask=head_row)
-            tl.store(info + 3, cnt, mask=tail_row)
+    # the next level's entries of this tile: its head run's partial, then its tail run's (the
+    # same key, and no row written, when one run covers the whole tile: its partial is the
+    # head's; the next level knows it by the key). The last level's tile writes two empty slots
+    # (Segments.launch allocates them).
+    slot = 2 * tile + 0 * j
+    tail_new = tail_row & (key != prev)
+    tl.store(keys_out + slot, tl.where(head_row, key, -1), mask=j == first)
+    tl.store(keys_out + slot + 1, tl.where(tail_row, key, -1), mask=j == last)
+    slot_at = slot[:, None] * ROW_D + cols[None, :]
+    tl.store(vals_out + slot_at, acc, mask=head_sum[:, None])
+    tl.store(vals_out + slot_at + ROW_D, acc, mask=tail_new[:, None])
+    # (every slot gets a feature: the next level reads it for any entry, real or not; with
+    # several column blocks each writes the same keys and features)
+    info = info_out + 2 * slot
+    tl.store(info, tl.where(head_row, f, 0).to(tl.int32), mask=j == first)
+    tl.store(info + 2, tl.where(tail_row, f, 0).to(tl.int32), mask=j == last)
+    if COUNT:
+        tl.store(info + 1, cnt, mask=head_row)
+        tl.store(info + 3, cnt, mask=tail_row)
     done = real & ends & (key != prev)
     return row, D, base, acc, cnt, done
 
 
 @triton.jit
 def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-               info_out, tile, at, grad, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
+               info_out, tile, at, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
                HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     _row, D, base, acc, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        tile, at, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
     cols = columns(BLOCK_D)
@@ -412,12 +414,12 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
 @triton.jit
 def _segment_grad_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
-    at, levels, grad, FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    at, levels, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
 ):
     if FIRST:
         _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                   info_out, tl.program_id(0), 0, grad, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+                   info_out, tl.program_id(0), 0, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
                    BLOCK_D, ROW_D)
     else:  # upper levels, `levels` of them from entry `at` (Segments.launch)
         # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
@@ -425,7 +427,7 @@ def _segment_grad_kernel(
         go = levels > 0
         while go:
             _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
-                       vals_out, info_out, tile, at, grad, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+                       vals_out, info_out, tile, at, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
                        BLOCK_D, ROW_D)
             go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 

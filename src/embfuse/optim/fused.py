@@ -116,13 +116,13 @@ def _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed
 def _update_tile(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, tile, at,
     weight, state1, state2, hp, seed,
-    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
         keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
-        tile, at, FIRST, LAST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
@@ -142,14 +142,14 @@ def _update_tile(
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
     at, levels, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
-    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
+    FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
     hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
     if FIRST:
         _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                     info_out, tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, LAST, HAS_SRC_ROW,
+                     info_out, tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
                      HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
     else:  # upper levels, `levels` of them from entry `at` (ops/segments.py Segments.launch)
         # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
@@ -157,7 +157,7 @@ def _fused_update_kernel(
         go = levels > 0
         while go:
             _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
-                         vals_out, info_out, tile, at, weight, state1, state2, hp, seed, FIRST, LAST, HAS_SRC_ROW,
+                         vals_out, info_out, tile, at, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
                          HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
             go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 
