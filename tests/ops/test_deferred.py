@@ -3,13 +3,16 @@ raised later. Kernel guards run here under the interpreter; the whole path on th
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import embfuse
 from embfuse.ops.bags import backward_inputs
 from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding import embedding_forward
-from embfuse.ops.embedding_bag import embedding_bag_forward, table_backward_inputs
+from embfuse.ops import tuning
+from embfuse.ops.embedding_bag import embedding_bag_forward, embedding_bag_reference, table_backward_inputs
 from embfuse.ops.deferred import check_errors, device_log
+from embfuse.ops.validate import _ids_flags_reference, validate_bags
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 
 BAD = torch.tensor([1, 2], dtype=torch.int32)  # a failed check's status: flags, ticket
@@ -51,6 +54,37 @@ def test_backward_inputs_of_a_bad_batch_name_no_row():
         keys, bag, _ = backward_inputs(ids, torch.tensor(offsets + [7], device=dev), None, plan.meta, 2,
                                        status=_bad(dev), kernel=True)
         assert bool((keys == -1).all()) and bool(((bag >= 0) & (bag < 4)).all())
+
+
+@requires_kernels
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(-2, 7), max_size=30), cuts=st.lists(st.integers(-1, 32), min_size=1, max_size=8),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype):
+    """A small batch's check runs as the first programs of the pooling launch (several of them,
+    several steps each here): the flags are the check kernel's, a good batch pools what the
+    reference pools, a bad one pools nothing and is reported later."""
+    dev = KERNEL_DEVICE
+    w = torch.randn(6, 8, device=dev)
+    ids_t = torch.tensor(ids, dtype=dtype, device=dev)
+    off_t = torch.tensor(cuts + [len(ids)], dtype=dtype, device=dev)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuning, "CHECK_BLOCK", 8)
+        mp.setattr(tuning, "FOLD_BLOCK", 4)
+        *_, check = validate_bags(ids_t, off_t, 6, kernel=True, fresh=False, fold=True)
+        assert check.pending is not None
+        out, _ = embedding_bag_forward(w, ids_t, off_t, None, mode, -1, check=check)
+    assert check.pending is None
+    expected = _ids_flags_reference(ids_t, off_t, 6)
+    assert int(check.status[0]) == expected
+    if expected:
+        assert torch.equal(out, torch.zeros_like(out))
+        with pytest.raises((IndexError, ValueError)):
+            check_errors()
+    else:
+        check_errors()
+        torch.testing.assert_close(out, embedding_bag_reference(w, ids_t, off_t, None, mode, -1)[0])
 
 
 def _collection(device, optimizer=None, **kw):

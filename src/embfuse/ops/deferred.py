@@ -2,7 +2,8 @@
 
 One pass over a batch (a Triton kernel: `_check_ids_kernel` for one table's flat ids and
 offsets, `_check_bags_kernel` for a keyed batch's bags) ORs its findings into the call's `status`
-tensor, int32 [flags, ticket]. Every later kernel of the call reads status once per program,
+tensor, int32 [flags, ticket]. A small single-table lookup runs that pass as the first programs
+of its own pooling launch instead (take_fold): one launch fewer, tens of microseconds of host time. Every later kernel of the call reads status once per program,
 outside its loops: a forward of a bad batch pools no row (zeros), a backward writes no gradient
 row and a fused optimizer updates nothing, so weights and optimizer state stay bitwise unchanged.
 The last program of the check also writes its verdict into pinned host memory (`DeviceLog`),
@@ -45,43 +46,71 @@ def capturing(t: torch.Tensor) -> bool:
 # ---- the kernels: one pass over the batch, a verdict in `status` and in the host's ring ----
 
 @triton.jit
-def _report(status, ring, slot, seq, flags):
-    """Every program ORs its flags into status[0] and takes a ticket from status[1]; the last
-    one writes seq * 16 + (all flags) into ring[slot], the host's pinned memory, where the
-    host reads it without waiting. Program 0 also clears `status_next`, the status of the next
-    call (see DeviceLog)."""
+def _report(status, ring, slot, seq, flags, programs):
+    """Every program of a check (`programs` of them) ORs its flags into status[0] and takes a
+    ticket from status[1]; the last one writes seq * 16 + (all flags) into ring[slot], the host's
+    pinned memory, where the host reads it without waiting."""
     tl.atomic_or(status, flags, mask=flags != 0)
     ticket = tl.atomic_add(status + 1, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:
+    if ticket == programs - 1:
         total = tl.atomic_or(status, 0, sem="acquire")
         tl.store(ring + slot, seq.to(tl.int64) * 16 + total)
+
+
+@triton.jit
+def wait_for_check(status, programs):
+    """The flags of a check whose `programs` programs run in this same launch ahead of this one
+    (lower program ids: the GPU starts a grid's programs in order, the interpreter runs them in
+    order), once all have reported (_report). Volatile loads go to L2, where the check's atomics
+    are: an L1 line of status could be stale. (One kernel instead of two: a launch costs tens of
+    microseconds of host time; benchmarks/NOTES.md, session 21.)"""
+    while tl.load(status + 1, volatile=True) < programs:
+        pass
+    return tl.load(status, volatile=True)
+
+
+@triton.jit
+def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot,
+                      seq, out, info, words, BLOCK: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
+                      REMAP: tl.constexpr):
+    """Program `pid` of `programs` of the check of one table's ids: STEPS blocks of BLOCK
+    positions from pid * STEPS * BLOCK on. Ids in [0, num_embeddings); offsets (if any) start
+    at 0, never decrease, end at most n. REMAP: also write each id as the lookup should read it,
+    hot rows from their resident copy (ops/residency.py), into `out`; without CHECK that is all
+    (a batch not checked). Program 0 also clears `status_next`, the status of the next call
+    (see DeviceLog)."""
+    lane = tl.arange(0, BLOCK)
+    bad_id = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_off = tl.zeros([BLOCK], dtype=tl.int32)
+    for step in range(STEPS):
+        pos = (pid.to(tl.int64) * STEPS + step) * BLOCK + lane
+        in_ids = pos < n
+        ids = tl.load(indices + pos, mask=in_ids, other=0)
+        if REMAP:
+            ok = in_ids & (ids >= 0) & (ids < num_embeddings)
+            new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
+            tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
+        if CHECK:
+            bad_id = tl.maximum(bad_id, (in_ids & ((ids < 0) | (ids >= num_embeddings))).to(tl.int32))
+            cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
+            has_next = pos < n_offsets - 1
+            nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+            # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
+            off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
+            bad_off = tl.maximum(bad_off, off.to(tl.int32))
+    if CHECK:
+        flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off) * K_BAD_OFFSETS
+        if pid == 0:
+            tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
+        _report(status, ring, slot, seq, flags, programs)
 
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
                       words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
-    """Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
-    REMAP: also write each id as the lookup should read it, hot rows from their resident copy
-    (ops/residency.py), into `out`; without CHECK that is all (a batch not checked)."""
-    pid = tl.program_id(0)
-    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_ids = pos < n
-    ids = tl.load(indices + pos, mask=in_ids, other=0)
-    if REMAP:
-        ok = in_ids & (ids >= 0) & (ids < num_embeddings)
-        new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
-        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
-    if CHECK:
-        bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
-        cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
-        has_next = pos < n_offsets - 1
-        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
-        # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
-        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-        flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
-        if pid == 0:
-            tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
-        _report(status, ring, slot, seq, flags)
+    """check_ids_program, a program a block."""
+    check_ids_program(tl.program_id(0), tl.num_programs(0), indices, n, offsets, n_offsets, num_embeddings, status,
+                      status_next, ring, slot, seq, out, info, words, BLOCK, 1, CHECK, REMAP)
 
 
 @triton.jit
@@ -170,7 +199,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         flags = tl.max(bad_any) * K_BAD_ID + tl.max(bad_off_any) * K_BAD_OFFSETS
         if pid == 0:
             tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
-        _report(status, ring, slot, seq, flags)
+        _report(status, ring, slot, seq, flags, tl.num_programs(0))
 
 
 # ---- the host side of the deferred check ----
@@ -239,14 +268,44 @@ class Check:
     """One call's check: its status tensor (int32 [flags, ticket]) for the call's kernels, and
     what the host needs to report it: the call's number, its ring slot, a function that finds
     the first bad entry and raises, and hooks to undo host state (a fused step count) if the
-    batch turns out bad."""
+    batch turns out bad. `pending`: the check's own launch while it is not made yet (run_check
+    `fold`): a kernel that folds the check in takes it (take_fold); reading `status` makes it."""
 
-    __slots__ = ("status", "seq", "slot", "raise_error", "undo", "what", "bad")
+    __slots__ = ("_status", "seq", "slot", "raise_error", "undo", "what", "bad", "pending", "log")
 
-    def __init__(self, status, seq, slot, raise_error, what):
-        self.status, self.seq, self.slot, self.raise_error, self.what = status, seq, slot, raise_error, what
+    def __init__(self, status, seq, slot, raise_error, what, log):
+        self._status, self.seq, self.slot, self.raise_error, self.what = status, seq, slot, raise_error, what
         self.undo = []
         self.bad = None  # None: not known yet; True / False once the host has read the verdict
+        self.pending = None
+        self.log = log
+
+    @property
+    def status(self) -> torch.Tensor:
+        if self.pending is not None:
+            self.launch()
+        return self._status
+
+    def launch(self) -> None:
+        """Make the check's launch if it is still pending."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
+
+
+def take_fold(check: Optional[Check]):
+    """(status, status_next, ring, slot, seq) for a kernel that runs `check` as its first
+    programs (deferred.check_ids_program, wait_for_check), when its launch is still pending; the
+    check is then the caller's to run. None otherwise."""
+    if check is None or check.pending is None:
+        return None
+    check.pending = None
+    return check._status, check.log.next_status(check), check.log.ring, check.slot, check.seq
+
+
+def folded_checks(n: int, n_offsets: int) -> int:
+    """Programs of a check folded into a lookup's launch: each covers tuning.CHECK_BLOCK ids."""
+    return max(1, cdiv(max(n, n_offsets), tuning.CHECK_BLOCK))
 
 
 class DeviceLog:
@@ -255,11 +314,14 @@ class DeviceLog:
     ring: pinned host memory, one int64 a call slot: seq * 16 + flags once the GPU has checked
     call `seq`. status: device int32 pairs, one a slot, reused round the ring; the check of
     call k clears the pair of call k + 1, so no call spends a launch on zeroing. A call whose
-    status must outlive the next RING calls (an autograd backward reads it later) gets a fresh
-    zeroed pair instead. Calls inside a CUDA-graph capture or torch.compile graph take their ring
+    status must outlive the next RING calls (an autograd backward reads it later) gets a pair
+    of its own, never handed out again: a row of a block of FRESH pairs zeroed at once on the
+    current stream (one block a stream: a pair is read on the stream its zeros were written on).
+    Calls inside a CUDA-graph capture or torch.compile graph take their ring
     slots, and pairs zeroed at each replay, from a second half that eager calls never use."""
 
     RING = 4096
+    FRESH = 1024
 
     def __init__(self, device):
         self.device = device
@@ -271,6 +333,7 @@ class DeviceLog:
         # graph checks' pairs, made here: a pair made inside a capture would live in the graph's
         # memory pool, which Inductor's CUDA graphs (mode="reduce-overhead") refuse to leave held
         self.graph_rows = list(torch.zeros(self.RING, 2, dtype=torch.int32, device=device).unbind(0))
+        self.fresh = {}  # stream -> its block's unused pairs
         self.seq = 0
         self.pending = collections.deque()
         self.graph_checks = []  # checks captured into CUDA graphs: reported at every poll
@@ -290,15 +353,25 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, raise_error, what)
+            check = Check(status, seq, slot, raise_error, what, self)
             self.graph_checks.append(check)
             return check
         slot = seq % self.RING
-        status = torch.zeros(2, dtype=torch.int32, device=self.device) if fresh else self.rows[slot]
-        check = Check(status, seq, slot, raise_error, what)
+        status = self._fresh_pair() if fresh else self.rows[slot]
+        check = Check(status, seq, slot, raise_error, what, self)
         if track:
             self.pending.append(check)
         return check
+
+    def _fresh_pair(self) -> torch.Tensor:
+        """A zeroed pair no other call gets (a torch.zeros per call cost 12.7 us of host time on
+        the H100 host, benchmarks/NOTES.md session 21)."""
+        stream = torch._C._cuda_getCurrentStream(self.device.index)[0] if self.device.type == "cuda" else None
+        pairs = self.fresh.get(stream)
+        if not pairs:
+            pairs = self.fresh[stream] = list(torch.zeros(self.FRESH, 2, dtype=torch.int32,
+                                                          device=self.device).unbind(0))
+        return pairs.pop()
 
     def next_status(self, check: Check) -> torch.Tensor:
         """The status pair the check of `check` clears for the call after it."""
@@ -310,6 +383,7 @@ class DeviceLog:
         """Report the calls the GPU has checked since the last poll; never waits."""
         while self.pending:
             check = self.pending[0]
+            check.launch()  # (a check no kernel ran: made now, reported later)
             word = int(self.host[check.slot])
             if word >> 4 < check.seq:
                 break  # not checked yet (calls on one stream finish in order)
@@ -427,14 +501,15 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
-              raise_error: Callable, what: str, fresh: bool):
+              raise_error: Callable, what: str, fresh: bool, fold: bool = False):
     """The mode logic shared by every check: returns (status tensor or None, flags or None).
 
     Without kernels (CPU) the torch-op flags are computed at once and errors raised at once.
     With kernels the check is launched; "deferred" returns its status without reading it,
     "sync" and "skip" read the flags (a synchronisation) and raise on anything "skip" cannot
     drop. `launch_check(log, check)` launches the kernel; `flags_reference()` gives the flags
-    with torch ops; `raise_error()` raises the exact error (slow path)."""
+    with torch ops; `raise_error()` raises the exact error (slow path). `fold` ("deferred"):
+    leave the launch pending in the Check (a lookup kernel may run it, take_fold)."""
     if device.type == "meta":  # shapes without data (TorchRec builds models there): nothing to check
         return None, 0
     if not kernel:
@@ -443,6 +518,9 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
         log = device_log(device)
         deferred = bounds_check == "deferred"
         check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
+        if deferred and fold:
+            check.pending = functools.partial(launch_check, log, check)
+            return check, None
         launch_check(log, check)
         if deferred:
             return check, None
@@ -457,7 +535,7 @@ class TracedCheck:
     output); the op's body, run by the compiled code at every call, is the eager check."""
 
     __slots__ = ("status",)
-    bad = None
+    bad = pending = None
 
     def __init__(self, status):
         self.status = status

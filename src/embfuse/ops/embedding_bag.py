@@ -26,6 +26,7 @@ from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCA
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
+from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
@@ -75,18 +76,17 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
 
 
 @triton.jit
-def _embedding_bag_fwd_kernel(
-    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
-    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
-):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_ids, D, stride_w, stride_o, padding_idx,
+                  MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
+                  BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """Pool bag `bag` over column block `col_block`; `ok` (with STATUS): whether the batch's check
+    passed (a batch it found bad pools nothing, ops/validate.py)."""
+    cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     start = tl.load(offsets + bag).to(tl.int64)
     end = tl.load(offsets + bag + 1).to(tl.int64)
-    if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
-        end = tl.where(tl.load(status) == 0, end, start)
+    if STATUS:
+        end = tl.where(ok, end, start)
     result, best, count, wsum = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
                                          MODE == K_SQRTN, MODE, HAS_PSW, HAS_PADDING,
                                          (MODE == K_SQRTN) or (MODE == K_WMEAN), BLOCK_L, BLOCK_D, EVICT)
@@ -97,12 +97,49 @@ def _embedding_bag_fwd_kernel(
     tl.store(out + bag * stride_o + cols, result.to(out.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def _embedding_bag_fwd_kernel(
+    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+):
+    ok = True
+    if STATUS:
+        ok = tl.load(status) == 0
+    _pool_program(tl.program_id(0).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids, D,
+                  stride_w, stride_o, padding_idx, MODE, HAS_PSW, HAS_PADDING, STATUS, BLOCK_L, BLOCK_D, EVICT)
+
+
+@triton.jit(do_not_specialize=["slot", "seq"])
+def _embedding_bag_fwd_checked_kernel(
+    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
+    n, B, num_embeddings, status_next, ring, slot, seq, checks,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr, CHECK_STEPS: tl.constexpr,
+):
+    """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
+    time is the host's: one launch instead of two). The first `checks` programs of column block
+    0 check the ids and offsets (deferred.check_ids_program); the rest pool bag pid - checks
+    once the check has reported (deferred.wait_for_check)."""
+    pid = tl.program_id(0)
+    if pid < checks:
+        if tl.program_id(1) == 0:
+            check_ids_program(pid, checks, indices, n, offsets, B + 1, num_embeddings, status, status_next, ring,
+                              slot, seq, indices, indices, indices, CHECK_BLOCK, CHECK_STEPS, True, False)
+    else:
+        ok = wait_for_check(status, checks) == 0
+        _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
+                      D, stride_w, stride_o, padding_idx, MODE, HAS_PSW, HAS_PADDING, True, BLOCK_L, BLOCK_D, EVICT)
+
+
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
-                          with_max_ids=True, status=None, out=None):
+                          with_max_ids=True, status=None, out=None, check=None):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
     with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
     (None instead), one allocation less on the host path of a small call. `out`: a (B, D)
-    tensor of the weight's dtype to write into (tests poison it)."""
+    tensor of the weight's dtype to write into (tests poison it). `check`: the batch's deferred
+    Check (instead of `status`); if its launch is still pending (ops/validate.py validate_bags,
+    `fold`), its programs run first in this launch."""
     B, D = offsets.numel() - 1, weight.shape[1]
     if out is None:
         out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
@@ -111,16 +148,25 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         max_ids = torch.empty(B, D, dtype=torch.int64, device=weight.device)
     elif with_max_ids:
         max_ids = torch.empty(0, dtype=torch.int64, device=weight.device)
+    folded = None
+    if check is not None:
+        folded = take_fold(check) if B and D else None
+        status = check.status if folded is None else None
     if B == 0 or D == 0:
         return out, max_ids
     cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing())
+    args = (weight, indices, offsets, per_sample_weights if per_sample_weights is not None else weight)
+    flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, **cfg)
+    if folded is not None:
+        checks = folded_checks(indices.numel(), B + 1)
+        launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
+            *args, folded[0], out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
+            indices.numel(), B, weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
+            CHECK_STEPS=tuning.CHECK_BLOCK // tuning.FOLD_BLOCK, **flags)
+        return out, max_ids
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
-        weight, indices, offsets,
-        per_sample_weights if per_sample_weights is not None else weight, status if status is not None else offsets,
-        out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-        MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, STATUS=status is not None,
-        **cfg,
-    )
+        *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),
+        out.stride(0), padding_idx, STATUS=status is not None, **flags)
     return out, max_ids
 
 
@@ -161,11 +207,14 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                      functools.partial(table_backward_inputs, kernel=True, status=status))
 
 
-def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None):
-    """The forward without the op's dispatch: (output, max ids), kernel or reference by device."""
+def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None):
+    """The forward without the op's dispatch: (output, max ids), kernel or reference by device.
+    `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in)."""
     if use_kernels(weight) and weight.dtype != torch.float64:
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                     with_max_ids=with_max_ids, status=status)
+                                     with_max_ids=with_max_ids, status=status, check=check)
+    if check is not None:
+        status = check.status
     if status is not None:  # torch ops would fault on a bad id: a bad batch pools nothing
         indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
@@ -342,11 +391,12 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
 
 
 def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True, remap=None):
+                 per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True, remap=None,
+                 fold=False):
     """Check and canonicalise torch-style arguments (and apply max_norm): returns the
     (indices, offsets, per_sample_weights, mode number, padding_idx, check) that the ops take;
     `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its status must
-    outlive later calls (an autograd backward will read it). `remap`: validate_bags'."""
+    outlive later calls (an autograd backward will read it). `remap`, `fold`: validate_bags'."""
     check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -382,7 +432,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
         bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
     indices, offsets, per_sample_weights, check = validate_bags(
         indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check,
-        given_offsets=given, fresh=fresh, remap=remap)
+        given_offsets=given, fresh=fresh, remap=remap, fold=fold and max_norm is None)
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight
@@ -434,13 +484,13 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     grad = needs_op(weight, per_sample_weights)
     indices, offsets, per_sample_weights, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident)
-    status = None if check is None else check.status
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident, fold=not grad)
     if grad:
+        status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
     else:
         with window(resident):
             out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
-                          status=status)
+                          check=check)
     return out

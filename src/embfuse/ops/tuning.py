@@ -60,6 +60,11 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
 
 # ids a block of the flat checks (one table's, a keyed batch's; NOTES: "check kernels", session 14)
 CHECK_BLOCK = 1024
+# a check folded into a small lookup's launch (ops/deferred.py take_fold): batches of at most
+# FOLD_IDS ids, whose time is the host's (a launch fewer saves tens of microseconds of it;
+# NOTES: session 21, "the check folded in"); the lookup's one warp checks FOLD_BLOCK ids a step
+FOLD_IDS = 1 << 19
+FOLD_BLOCK = 256
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
 # left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")
 CHECK_WARPS = 8

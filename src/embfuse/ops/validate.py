@@ -39,6 +39,7 @@ from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, 
                                   graph_check_op, prepare_log, run_check, status_copy,
                                   traced_mode)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
+from embfuse.ops import tuning
 
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
 DEFAULT_BOUNDS_CHECK = "deferred"
@@ -207,7 +208,8 @@ def _collection_flags_reference(values, offsets, limits, B) -> int:
 
 # ---- the one core: modes, the deferred check, skip compaction ----
 
-def _validate(values, bounds_check, fresh, kernel, what, launch_check, flags_reference, raise_error, keep, message):
+def _validate(values, bounds_check, fresh, kernel, what, launch_check, flags_reference, raise_error, keep, message,
+              fold=False):
     """What every validation does once its arguments are checked: run the check in its mode
     (ops/deferred.py run_check) and, when "skip" found bad ids, warn once, naming the first.
     Returns (the deferred Check or None, the mask of ids to keep when some are to be dropped,
@@ -215,7 +217,7 @@ def _validate(values, bounds_check, fresh, kernel, what, launch_check, flags_ref
     if kernel is None:
         kernel = use_kernels(values)
     check, flags = run_check(values.device, kernel, bounds_check, launch_check, flags_reference, raise_error, what,
-                             fresh)
+                             fresh, fold)
     if not flags:
         return check, None
     first, count = message()
@@ -251,14 +253,17 @@ def _(indices, offsets, num_embeddings, shape, name, given, bounds_check):
 
 
 def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, shape=None, name="input",
-                  bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None, remap=None):
+                  bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None, remap=None,
+                  fold=False):
     """Check a canonical single-table bag batch (1-D ids, B+1 offsets).
 
     Returns (indices, offsets, per_sample_weights, check): the tensors to use (compacted copies
     when "skip" drops bad ids) and the deferred Check whose status the kernels read (None when
     nothing is deferred). `fresh`: the status must outlive later calls (autograd will read it).
     `remap` (a GPU lookup's ops/residency.py Resident): the ids returned are those to read, hot
-    rows from their resident copy, written by the same pass.
+    rows from their resident copy, written by the same pass. `fold`: the caller's lookup can run
+    the check in its own launch (embedding_bag_forward `check`): a small deferred batch's check
+    is then left pending (ops/deferred.py take_fold).
     """
     out = _remap_out(indices, remap)
     if bounds_check == "off":
@@ -276,7 +281,8 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         functools.partial(_raise_ids, indices, offsets, num_embeddings, shape, name, given_offsets,
                           bounds_check == "skip"),
         lambda: (indices >= 0) & (indices < num_embeddings),
-        lambda: _bad_id_message(indices, shape, num_embeddings, name))
+        lambda: _bad_id_message(indices, shape, num_embeddings, name),
+        fold and remap is None and indices.numel() <= tuning.FOLD_IDS)
     if keep is None:
         indices = _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel)
         return indices, offsets, per_sample_weights, check
