@@ -62,15 +62,14 @@ def test_backward_inputs_of_a_bad_batch_name_no_row():
 @given(ids=st.lists(st.integers(-2, 7), max_size=30), cuts=st.lists(st.integers(-1, 32), min_size=1, max_size=8),
        dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype):
-    """A small batch's check runs as the first programs of the pooling launch (several of them,
-    several steps each here): the flags are the check kernel's, a good batch pools what the
+    """A small batch's check runs as the first programs of the pooling launch (several of them
+    here): the flags are the check kernel's, a good batch pools what the
     reference pools, a bad one pools nothing and is reported later."""
     dev = KERNEL_DEVICE
     w = torch.randn(6, 8, device=dev)
     ids_t = torch.tensor(ids, dtype=dtype, device=dev)
     off_t = torch.tensor(cuts + [len(ids)], dtype=dtype, device=dev)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tuning, "CHECK_BLOCK", 8)
         mp.setattr(tuning, "FOLD_BLOCK", 4)
         *_, check = validate_bags(ids_t, off_t, 6, kernel=True, fresh=False, fold=True)
         assert check.pending is not None

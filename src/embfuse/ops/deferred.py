@@ -71,35 +71,27 @@ def wait_for_check(status, programs):
 
 @triton.jit
 def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot,
-                      seq, out, info, words, BLOCK: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
-                      REMAP: tl.constexpr):
-    """Program `pid` of `programs` of the check of one table's ids: STEPS blocks of BLOCK
-    positions from pid * STEPS * BLOCK on. Ids in [0, num_embeddings); offsets (if any) start
-    at 0, never decrease, end at most n. REMAP: also write each id as the lookup should read it,
-    hot rows from their resident copy (ops/residency.py), into `out`; without CHECK that is all
-    (a batch not checked). Program 0 also clears `status_next`, the status of the next call
-    (see DeviceLog)."""
-    lane = tl.arange(0, BLOCK)
-    bad_id = tl.zeros([BLOCK], dtype=tl.int32)
-    bad_off = tl.zeros([BLOCK], dtype=tl.int32)
-    for step in range(STEPS):
-        pos = (pid.to(tl.int64) * STEPS + step) * BLOCK + lane
-        in_ids = pos < n
-        ids = tl.load(indices + pos, mask=in_ids, other=0)
-        if REMAP:
-            ok = in_ids & (ids >= 0) & (ids < num_embeddings)
-            new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
-            tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
-        if CHECK:
-            bad_id = tl.maximum(bad_id, (in_ids & ((ids < 0) | (ids >= num_embeddings))).to(tl.int32))
-            cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
-            has_next = pos < n_offsets - 1
-            nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
-            # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
-            off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-            bad_off = tl.maximum(bad_off, off.to(tl.int32))
+                      seq, out, info, words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+    """Program `pid` of `programs` of the check of one table's ids: positions pid * BLOCK on.
+    Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
+    REMAP: also write each id as the lookup should read it, hot rows from their resident copy
+    (ops/residency.py), into `out`; without CHECK that is all (a batch not checked). Program 0
+    also clears `status_next`, the status of the next call (see DeviceLog)."""
+    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_ids = pos < n
+    ids = tl.load(indices + pos, mask=in_ids, other=0)
+    if REMAP:
+        ok = in_ids & (ids >= 0) & (ids < num_embeddings)
+        new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
+        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
     if CHECK:
-        flags = tl.max(bad_id) * K_BAD_ID + tl.max(bad_off) * K_BAD_OFFSETS
+        bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
+        cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
+        has_next = pos < n_offsets - 1
+        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+        # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
+        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
+        flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
         if pid == 0:
             tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
         _report(status, ring, slot, seq, flags, programs)
@@ -110,7 +102,7 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
                       words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
     """check_ids_program, a program a block."""
     check_ids_program(tl.program_id(0), tl.num_programs(0), indices, n, offsets, n_offsets, num_embeddings, status,
-                      status_next, ring, slot, seq, out, info, words, BLOCK, 1, CHECK, REMAP)
+                      status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP)
 
 
 @triton.jit
@@ -304,8 +296,8 @@ def take_fold(check: Optional[Check]):
 
 
 def folded_checks(n: int, n_offsets: int) -> int:
-    """Programs of a check folded into a lookup's launch: each covers tuning.CHECK_BLOCK ids."""
-    return max(1, cdiv(max(n, n_offsets), tuning.CHECK_BLOCK))
+    """Programs of a check folded into a lookup's launch: each covers tuning.FOLD_BLOCK ids."""
+    return max(1, cdiv(max(n, n_offsets), tuning.FOLD_BLOCK))
 
 
 class DeviceLog:
@@ -508,8 +500,8 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
     With kernels the check is launched; "deferred" returns its status without reading it,
     "sync" and "skip" read the flags (a synchronisation) and raise on anything "skip" cannot
     drop. `launch_check(log, check)` launches the kernel; `flags_reference()` gives the flags
-    with torch ops; `raise_error()` raises the exact error (slow path). `fold` ("deferred"):
-    leave the launch pending in the Check (a lookup kernel may run it, take_fold)."""
+    with torch ops; `raise_error()` raises the exact error (slow path). `fold` ("deferred",
+    eager): leave the launch pending in the Check (a lookup kernel may run it, take_fold)."""
     if device.type == "meta":  # shapes without data (TorchRec builds models there): nothing to check
         return None, 0
     if not kernel:
@@ -518,7 +510,7 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
         log = device_log(device)
         deferred = bounds_check == "deferred"
         check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
-        if deferred and fold:
+        if deferred and fold and check.slot < DeviceLog.RING:  # (not in a graph: its launches cost no host time)
             check.pending = functools.partial(launch_check, log, check)
             return check, None
         launch_check(log, check)

@@ -115,7 +115,7 @@ def _embedding_bag_fwd_checked_kernel(
     weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
     n, B, num_embeddings, status_next, ring, slot, seq, checks,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr, CHECK_STEPS: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
 ):
     """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
     time is the host's: one launch instead of two). The first `checks` programs of column block
@@ -125,7 +125,7 @@ def _embedding_bag_fwd_checked_kernel(
     if pid < checks:
         if tl.program_id(1) == 0:
             check_ids_program(pid, checks, indices, n, offsets, B + 1, num_embeddings, status, status_next, ring,
-                              slot, seq, indices, indices, indices, CHECK_BLOCK, CHECK_STEPS, True, False)
+                              slot, seq, indices, indices, indices, CHECK_BLOCK, True, False)
     else:
         ok = wait_for_check(status, checks) == 0
         _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
@@ -161,8 +161,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         checks = folded_checks(indices.numel(), B + 1)
         launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
             *args, folded[0], out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-            indices.numel(), B, weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
-            CHECK_STEPS=tuning.CHECK_BLOCK // tuning.FOLD_BLOCK, **flags)
+            indices.numel(), B, weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK, **flags)
         return out, max_ids
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),

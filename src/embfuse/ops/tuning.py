@@ -62,7 +62,9 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
 CHECK_BLOCK = 1024
 # a check folded into a small lookup's launch (ops/deferred.py take_fold): batches of at most
 # FOLD_IDS ids, whose time is the host's (a launch fewer saves tens of microseconds of it;
-# NOTES: session 21, "the check folded in"); the lookup's one warp checks FOLD_BLOCK ids a step
+# NOTES: session 21, "the check folded in"); a check program of the lookup's one warp takes
+# FOLD_BLOCK ids (all its loads at once: four steps of 256 cost 4.5 us more GPU time than the
+# check's own launch)
 FOLD_IDS = 1 << 19
 FOLD_BLOCK = 256
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
