@@ -24,7 +24,7 @@ from embfuse import _handles
 from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import pool_collection
-from embfuse.ops.deferred import check_of, known_good
+from embfuse.ops.deferred import TracedCheck, check_of, known_good
 from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
 from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
@@ -115,10 +115,10 @@ class _BagCall(_Call):
 
     saves_out = True  # the weights' gradient under sqrtn / wmean reads the output
 
-    def forward(self, weight, tensors, status, size):
+    def forward(self, weight, tensors, check, size):
         indices, offsets, psw = tensors
         mode, padding_idx = self.static
-        return pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, status=status)[0]
+        return pool(weight, indices, offsets, psw, mode, padding_idx, with_max_ids=False, check=check)[0]
 
     def out_shape(self, weight, tensors, size):
         return (tensors[1].shape[0] - 1, weight.shape[1])
@@ -143,7 +143,8 @@ class _BagCall(_Call):
 class _EmbeddingCall(_Call):
     """Plain rows: tensors (1-D ids, keep-mask or None: rows not kept read as zeros, None)."""
 
-    def forward(self, weight, tensors, status, size):
+    def forward(self, weight, tensors, check, size):
+        status = _status(check)
         ids, keep, _ = tensors
         out = gather(weight, ids, status)
         return out if keep is None else torch.where(keep.reshape(-1, 1), out, 0)
@@ -163,9 +164,9 @@ class _EmbeddingCall(_Call):
 class _CollectionCall(_Call):
     """A collection's flat buffer: tensors (values, offsets, weights or None); `size`: B."""
 
-    def forward(self, weights, tensors, status, size):
+    def forward(self, weights, tensors, check, size):
         values, offsets, psw = tensors
-        return pool_collection(weights, values, offsets, psw, self.static[0], size, status)
+        return pool_collection(weights, values, offsets, psw, self.static[0], size, _status(check))
 
     def out_shape(self, weights, tensors, size):
         return (size, self.static[0].total_dim)
@@ -207,7 +208,7 @@ class _Fused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, weight, call, check, size, *tensors):
-        out = call.forward(weight, tensors, _status(check), size)
+        out = call.forward(weight, tensors, check, size)  # (its kernel may run a pending check: take_fold)
         ctx.save_for_backward(*tensors, out if call.saves_out else None)
         ctx.weight, ctx.call, ctx.check, ctx.size = weight, call, check, size
         return out
@@ -245,7 +246,8 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
 def _fused_lookup_op(anchor: Tensor, weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
                      third: Optional[Tensor], status: Optional[Tensor], handle: int, size: int) -> Tensor:
     """A call's tensors in three slots: (ids, offsets, per-sample weights) or (ids, keep, None)."""
-    return _handles.lookup(handle).forward(weight, (first, second, third), status, size)
+    return _handles.lookup(handle).forward(weight, (first, second, third), None if status is None else
+                                           TracedCheck(status), size)
 
 
 @_fused_lookup_op.register_fake
@@ -319,7 +321,7 @@ def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_
     _unsupported(scale_grad_by_freq, sparse, mode)
     indices, offsets, psw, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name)
+        include_last_offset, padding_idx, bounds_check, name, fold=True)
     return _lookup(_BagCall, fused, (mode, padding_idx), weight.detach(), check, 0, indices, offsets, psw)
 
 
