@@ -281,3 +281,39 @@ def test_int32_ids_of_a_table_past_their_range_all_pass():
     assert int(check.status[0]) == BAD_ID
     with pytest.raises(IndexError, match="feature 'b'"):
         check_errors()
+
+
+@requires_kernels
+def test_strided_ids_and_values_are_checked_where_they_lie():
+    """A column of a bigger tensor (stride 2): the check reads the column, not the memory after
+    its first element (it once read [1, 0, 2] here and passed 99)."""
+    from embfuse.ops.collection import Plan
+    from embfuse.ops.validate import validate_collection, validate_ids
+
+    column = torch.tensor([[1, 0], [2, 0], [99, 0]], device=KERNEL_DEVICE)[:, 0]
+    _, check = validate_ids(column, N, kernel=True)
+    assert int(check.status[0]) == BAD_ID
+    with pytest.raises(IndexError, match="input\\[2\\] = 99"):
+        check_errors()
+    plan = Plan([(N, 4)], [(0, "sum", 0)], KERNEL_DEVICE)
+    offsets = torch.tensor([0, 1, 3], device=KERNEL_DEVICE)
+    values, *_, check = validate_collection(column, offsets, None, plan.limits, 2, ["f"], ["t"], kernel=True)
+    assert values.is_contiguous() and int(check.status[0]) == BAD_ID
+    with pytest.raises(IndexError, match="values\\[2\\] = 99"):
+        check_errors()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_strided_input_looks_up_its_own_ids(device):
+    w = _weight(device)
+    grid = torch.tensor([[1, 9], [2, 0], [7, 0]], device=device)
+    torch.testing.assert_close(embfuse.embedding(grid[:, 0], w), F.embedding(grid[:, 0], w))
+    torch.testing.assert_close(embfuse.embedding_bag(grid[:, 0], w, torch.tensor([0, 2], device=device)),
+                               F.embedding_bag(grid[:, 0], w, torch.tensor([0, 2], device=device)))
+    kjt = embfuse.KeyedJaggedTensor(["f"], grid[:, 0], lengths=torch.tensor([1, 2], device=device))
+    ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(N, 4, "t", feature_names=["f"])], device=device)
+    table = ebc.embedding_weight("t")
+    expected = torch.stack([table[1], table[2] + table[7]])
+    torch.testing.assert_close(ebc(kjt).values(), expected)
+    if device == "cuda":
+        embfuse.check_errors()

@@ -296,7 +296,7 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
     mask marks the ids to keep; under "deferred" the Check the kernels read."""
     if bounds_check == "off" or indices.numel() == 0:
         return None, None
-    flat = indices.reshape(-1)
+    flat = indices.reshape(-1).contiguous()  # (the kernel reads memory in order: a strided view is copied)
     if tracing():
         prepare_log(str(flat.device))
         status = _check_ids_op(flat, None, num_embeddings, list(indices.shape), name, -1, traced_mode(bounds_check))
@@ -330,6 +330,9 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
             raise BadDtypeError(f"weights must be floating point, got {psw.dtype}")
         if psw.shape != values.shape:
             raise ValueError(f"weights has shape {tuple(psw.shape)}; values has {tuple(values.shape)}")
+    # the kernels read memory in order: a strided view (a column of a user's tensor) is copied
+    values, offsets = values.contiguous(), offsets.contiguous()
+    psw = None if psw is None else psw.contiguous()
     n, FB = values.numel(), offsets.numel() - 1
     if FB == 0 and n:
         raise BadBatchError(f"the batch has no bags but {n} values")
