@@ -12,7 +12,7 @@ from embfuse.ops.embedding import embedding_forward
 from embfuse.ops import tuning
 from embfuse.ops.embedding_bag import embedding_bag_forward, embedding_bag_reference, table_backward_inputs
 from embfuse.ops.deferred import check_errors, device_log
-from embfuse.ops.validate import _ids_flags_reference, validate_bags
+from embfuse.ops.validate import _ids_flags_reference, validate_bags, validate_ids
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 
 BAD = torch.tensor([1, 2], dtype=torch.int32)  # a failed check's status: flags, ticket
@@ -84,6 +84,31 @@ def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype):
     else:
         check_errors()
         torch.testing.assert_close(out, embedding_bag_reference(w, ids_t, off_t, None, mode, -1)[0])
+
+
+@requires_kernels
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(-2, 7), min_size=1, max_size=30), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_a_check_folded_into_the_gather_launch(ids, dtype):
+    """As above, for plain ids (embedding): the check's programs first in the gather's launch."""
+    dev = KERNEL_DEVICE
+    w = torch.randn(6, 8, device=dev)
+    ids_t = torch.tensor(ids, dtype=dtype, device=dev)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuning, "FOLD_BLOCK", 4)
+        _, check = validate_ids(ids_t, 6, kernel=True, fresh=False, fold=True)
+        assert check.pending is not None
+        out = embedding_forward(w, ids_t, check=check)
+    assert check.pending is None
+    expected = _ids_flags_reference(ids_t, None, 6)
+    assert int(check.status[0]) == expected
+    if expected:
+        assert torch.equal(out, torch.zeros_like(out))
+        with pytest.raises(IndexError):
+            check_errors()
+    else:
+        check_errors()
+        torch.testing.assert_close(out, w[ids_t.long()])
 
 
 def _collection(device, optimizer=None, **kw):

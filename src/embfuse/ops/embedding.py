@@ -15,6 +15,7 @@ from torch.autograd import forward_ad
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
+from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_ids)
 
@@ -25,38 +26,83 @@ def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
 
 
 @triton.jit
-def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o, STATUS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pos = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def _gather_tile(tile, col_block, weight, indices, ok, out, n, D, stride_w, stride_o, STATUS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows of ids [tile * BLOCK_N, + BLOCK_N) over column block `col_block`; `ok` (with STATUS):
+    whether the batch's check passed (a batch it found bad reads no row: zeros, ops/validate.py)."""
+    pos = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     nmask = pos < n
     m2 = nmask[:, None] & (cols < D)[None, :]
     ids = tl.load(indices + pos, mask=nmask, other=0).to(tl.int64)
     read = m2
-    if STATUS:  # a batch its check found bad reads no row: zeros (ops/validate.py)
-        read = (pos < tl.where(tl.load(status) == 0, n, 0))[:, None] & (cols < D)[None, :]
+    if STATUS:
+        read = (pos < tl.where(ok, n, 0))[:, None] & (cols < D)[None, :]
     rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=read, other=0.0)
     tl.store(out + pos[:, None] * stride_o + cols[None, :], rows, mask=m2)
 
 
-def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] = None) -> Tensor:
-    """Triton launcher: same result as `embedding_reference`."""
+@triton.jit
+def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o, STATUS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    ok = True
+    if STATUS:
+        ok = tl.load(status) == 0
+    _gather_tile(tl.program_id(0), tl.program_id(1), weight, indices, ok, out, n, D, stride_w, stride_o, STATUS,
+                 BLOCK_N, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["slot", "seq"])
+def _embedding_fwd_checked_kernel(weight, indices, status, out, n, D, stride_w, stride_o, num_embeddings,
+                                  status_next, ring, slot, seq, checks, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  CHECK_BLOCK: tl.constexpr):
+    """_embedding_fwd_kernel with the batch's deferred check folded in, as the pooled lookup's
+    (ops/embedding_bag.py _embedding_bag_fwd_checked_kernel)."""
+    pid = tl.program_id(0)
+    if pid < checks:
+        if tl.program_id(1) == 0:
+            check_ids_program(pid, checks, indices, n, indices, 0, num_embeddings, status, status_next, ring, slot,
+                              seq, indices, indices, indices, CHECK_BLOCK, True, False)
+    else:
+        ok = wait_for_check(status, checks) == 0
+        _gather_tile(pid - checks, tl.program_id(1), weight, indices, ok, out, n, D, stride_w, stride_o, True,
+                     BLOCK_N, BLOCK_D)
+
+
+def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] = None, check=None) -> Tensor:
+    """Triton launcher: same result as `embedding_reference`. `check`: the batch's deferred
+    Check in place of `status`; if its launch is still pending (validate_ids `fold`), its
+    programs run first in this launch."""
     n, D = indices.numel(), weight.shape[1]
     out = torch.empty(n, D, dtype=weight.dtype, device=weight.device)
+    folded = None
+    if check is not None:
+        folded = take_fold(check) if n and D else None
+        status = check.status if folded is None else None
     if n == 0 or D == 0:
         return out
     block_n, block_d = tuning.gather_shape(D, tracing())
-    launch(_embedding_fwd_kernel)[(cdiv(n, block_n), cdiv(D, block_d))](
+    grid_d = cdiv(D, block_d)
+    if folded is not None:
+        checks = folded_checks(n, 0)
+        launch(_embedding_fwd_checked_kernel)[(checks + cdiv(n, block_n), grid_d)](
+            weight, indices, folded[0], out, n, D, weight.stride(0), out.stride(0), weight.shape[0], *folded[1:],
+            checks, BLOCK_N=block_n, BLOCK_D=block_d, CHECK_BLOCK=tuning.FOLD_BLOCK)
+        return out
+    launch(_embedding_fwd_kernel)[(cdiv(n, block_n), grid_d)](
         weight, indices, status if status is not None else indices, out, n, D, weight.stride(0), out.stride(0),
         STATUS=status is not None, BLOCK_N=block_n, BLOCK_D=block_d
     )
     return out
 
 
-def gather(weight, indices, status=None):
-    """The forward without the op's dispatch: kernel or reference by device and dtype."""
+def gather(weight, indices, status=None, check=None):
+    """The forward without the op's dispatch: kernel or reference by device and dtype. `check`:
+    the batch's deferred Check in place of `status` (the kernel may fold it in)."""
     if use_kernels(weight) and weight.is_floating_point():  # (integer tables: torch's gather)
-        return embedding_forward(weight, indices, status)
+        return embedding_forward(weight, indices, status, check)
+    if check is not None:
+        status = check.status
     if status is not None:  # torch's gather would fault on a bad id: a bad batch gives zeros
         return embedding_reference(weight, guard(indices, status, 0)) * (status[0] == 0)
     return embedding_reference(weight, indices)
@@ -166,10 +212,10 @@ def _autograd_backward(ctx, grad):
 _embedding_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name, fresh=True):
+def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name, fresh=True, fold=False):
     """Check torch-style arguments (and apply max_norm): returns (1-D ids, keep-mask or None,
     padding_idx, check); under bounds_check="skip" out-of-range ids become 0 and keep marks the
-    rest; `check` is the deferred Check (ops/validate.py) or None."""
+    rest; `check` is the deferred Check (ops/validate.py) or None; `fold`: validate_ids'."""
     check_weight(weight)
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -180,7 +226,8 @@ def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, n
         # the renorm below writes rows named by the ids, and torch's own lookup (forward-mode AD)
         # reads them: they must be known good first
         bounds_check = "sync"
-    keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh)
+    keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh,
+                               fold=fold and max_norm is None)
     flat = input.reshape(-1).contiguous()
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, 0)
@@ -218,19 +265,22 @@ def embedding(
     sparse = sparse_layout(sparse)
     grad = needs_op(weight)
     flat, keep, padding_idx, check = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check,
-                                                 name, fresh=grad)
+                                                 name, fresh=grad, fold=not grad)
     if dual(weight):  # forward-mode AD: torch's own lookup has the forward derivative (checked above)
         out = torch.embedding(weight, flat, padding_idx, scale_grad_by_freq, bool(sparse))
         return out.view(*input.shape, weight.shape[1])
-    out = lookup_rows(weight, flat, None if check is None else check.status, padding_idx, scale_grad_by_freq, sparse)
+    out = lookup_rows(weight, flat, None, padding_idx, scale_grad_by_freq, sparse, check)
     if keep is not None:  # (a where, not a product: skipped rows are +0.0, not -0.0 times a row)
         out = torch.where(keep.reshape(-1, 1), out, 0)
     return out.view(*input.shape, weight.shape[1])
 
 
-def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=False, sparse=0):
-    """The lookup of checked 1-D ids (status: their deferred check's, or None): through the
-    registered op when autograd or tracing needs it, else straight to the kernel."""
+def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=False, sparse=0, check=None):
+    """The lookup of checked 1-D ids (status: their deferred check's, or None; or `check`, the
+    Check): through the registered op when autograd or tracing needs it, else straight to the
+    kernel."""
     if needs_op(weight):
+        if check is not None:
+            status = check.status
         return _embedding_op(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
-    return gather(weight, flat, status)
+    return gather(weight, flat, status, check)

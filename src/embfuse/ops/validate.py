@@ -291,9 +291,10 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
 
 
 def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_BOUNDS_CHECK, fresh=True,
-                 kernel=None):
+                 kernel=None, fold=False):
     """Check plain ids (no bags). Returns (keep-mask or None, check or None): under "skip" the
-    mask marks the ids to keep; under "deferred" the Check the kernels read."""
+    mask marks the ids to keep; under "deferred" the Check the kernels read. `fold`: as
+    validate_bags' (ops/embedding.py embedding_forward runs a pending check)."""
     if bounds_check == "off" or indices.numel() == 0:
         return None, None
     flat = indices.reshape(-1).contiguous()  # (the kernel reads memory in order: a strided view is copied)
@@ -307,7 +308,8 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
         lambda: _ids_flags_reference(flat, None, num_embeddings),
         functools.partial(_raise_ids, flat, None, num_embeddings, indices.shape, name, None, bounds_check == "skip"),
         lambda: (indices >= 0) & (indices < num_embeddings),  # plain ids are masked, not dropped (shapes stay)
-        lambda: _bad_id_message(flat, indices.shape, num_embeddings, name))
+        lambda: _bad_id_message(flat, indices.shape, num_embeddings, name),
+        fold and flat.numel() <= tuning.FOLD_IDS)
     return keep, check
 
 
