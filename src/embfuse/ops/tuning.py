@@ -66,6 +66,9 @@ CHECK_BLOCK = 1024
 # FOLD_BLOCK ids (all its loads at once: four steps of 256 cost 4.5 us more GPU time than the
 # check's own launch)
 FOLD_IDS = 1 << 19
+# the gather's (embedding) limit is lower: its 4-warp programs spin on the check's count and slow
+# it down (65536 ids: 20.8 us of GPU time against 10.3 in two launches; 8192: 3.2 against 4.3)
+FOLD_GATHER_IDS = 1 << 14
 FOLD_BLOCK = 256
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
 # left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")

@@ -309,7 +309,7 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
         functools.partial(_raise_ids, flat, None, num_embeddings, indices.shape, name, None, bounds_check == "skip"),
         lambda: (indices >= 0) & (indices < num_embeddings),  # plain ids are masked, not dropped (shapes stay)
         lambda: _bad_id_message(flat, indices.shape, num_embeddings, name),
-        fold and flat.numel() <= tuning.FOLD_IDS)
+        fold and flat.numel() <= tuning.FOLD_GATHER_IDS)
     return keep, check
 
 
