@@ -317,3 +317,23 @@ def test_a_strided_input_looks_up_its_own_ids(device):
     torch.testing.assert_close(ebc(kjt).values(), expected)
     if device == "cuda":
         embfuse.check_errors()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_transposed_table_is_read_as_torch_reads_it(device):
+    """A table whose rows are not contiguous (stride (1, N)): the kernels read rows in order,
+    so such a table takes the torch-op path; a fused optimizer, which writes rows in place,
+    refuses it by name."""
+    w = torch.randn(4, N, device=device).t().requires_grad_()
+    ids = torch.tensor([[1, 7], [3, 3]], device=device)
+    torch.testing.assert_close(embfuse.embedding_bag(ids, w, mode="sum"), F.embedding_bag(ids, w, mode="sum"))
+    torch.testing.assert_close(embfuse.embedding(ids, w), F.embedding(ids, w))
+    embfuse.embedding_bag(ids, w, mode="mean").sum().backward()
+    expected = torch.autograd.grad(F.embedding_bag(ids, w, mode="mean").sum(), w)[0]
+    torch.testing.assert_close(w.grad, expected)
+    bag = embfuse.nn.EmbeddingBag(N, 4, mode="sum", device=device, optimizer=embfuse.optim.SGD(lr=0.1))
+    bag.weight.data = torch.randn(4, N, device=device).t()
+    with pytest.raises(ValueError, match=r"row-major table \(weight.stride\(1\) == 1\), got strides \(1, 10\)"):
+        bag(ids)
+    if device == "cuda":
+        embfuse.check_errors()

@@ -17,7 +17,8 @@ from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad
 from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
-                                  check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_ids)
+                                  check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
+                                  validate_ids)
 
 
 def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
@@ -99,7 +100,7 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
 def gather(weight, indices, status=None, check=None):
     """The forward without the op's dispatch: kernel or reference by device and dtype. `check`:
     the batch's deferred Check in place of `status` (the kernel may fold it in)."""
-    if use_kernels(weight) and weight.is_floating_point():  # (integer tables: torch's gather)
+    if use_kernels(weight) and weight.is_floating_point() and row_major(weight):  # (else torch's gather)
         return embedding_forward(weight, indices, status, check)
     if check is not None:
         status = check.status

@@ -29,7 +29,8 @@ from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
-                                  check_index_dtype, check_weight, guard, padding_index, sparse_layout, validate_bags)
+                                  check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
+                                  validate_bags)
 
 
 def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
@@ -209,7 +210,7 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
 def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None):
     """The forward without the op's dispatch: (output, max ids), kernel or reference by device.
     `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in)."""
-    if use_kernels(weight) and weight.dtype != torch.float64:
+    if use_kernels(weight) and weight.dtype != torch.float64 and row_major(weight):
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                      with_max_ids=with_max_ids, status=status, check=check)
     if check is not None:

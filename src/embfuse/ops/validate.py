@@ -87,6 +87,18 @@ def check_weight(weight: torch.Tensor, op: str = "embedding") -> None:
                             + (" (embedding also looks up integer tables)" if op == "embedding" else ""))
 
 
+def row_major(weight: torch.Tensor) -> bool:
+    """Whether a table's rows are contiguous (stride 1 along a row), as the kernels read them.
+    Other tables (a transposed one) take the torch-op path; a fused optimizer refuses them."""
+    return weight.shape[1] <= 1 or weight.stride(1) == 1
+
+
+def check_row_major(weight: torch.Tensor) -> None:
+    if not row_major(weight):
+        raise BadArgumentError(f"a fused optimizer updates rows in place and needs a row-major table (weight.stride(1) "
+                               f"== 1), got strides {tuple(weight.stride())}; pass weight.contiguous()")
+
+
 def padding_index(padding_idx: int | None, num_embeddings: int) -> int:
     """torch's padding_idx rules (negative counts from the end); -1 stands for none."""
     if padding_idx is None:

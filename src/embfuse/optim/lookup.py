@@ -27,7 +27,7 @@ from embfuse.ops.collection import pool_collection
 from embfuse.ops.deferred import TracedCheck, check_of, known_good
 from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
 from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
-from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_row_major
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
 from embfuse.optim.rules import init_state
@@ -307,7 +307,8 @@ def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offse
     return _lookup(_CollectionCall, fused, (plan, hot), weights.detach(), check, B, values, offsets, psw)
 
 
-def _unsupported(scale_grad_by_freq, sparse, mode="sum"):
+def _unsupported(weight, scale_grad_by_freq, sparse, mode="sum"):
+    check_row_major(weight)
     if scale_grad_by_freq or sparse or mode == "max":
         raise ValueError("a fused optimizer supports sum, mean, sqrtn and wmean pooling without scale_grad_by_freq or "
                          "sparse")
@@ -318,7 +319,7 @@ def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_
                         include_last_offset=False, padding_idx=None, *, bounds_check=DEFAULT_BOUNDS_CHECK,
                         name="input"):
     """`embfuse.embedding_bag` whose backward updates `weight` with `fused` instead of a gradient."""
-    _unsupported(scale_grad_by_freq, sparse, mode)
+    _unsupported(weight, scale_grad_by_freq, sparse, mode)
     indices, offsets, psw, mode, padding_idx, check = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx, bounds_check, name, fold=True)
@@ -330,7 +331,7 @@ def fused_embedding(fused: FusedOptimizer, input, weight, padding_idx=None, max_
                     check=None):
     """`embfuse.embedding` whose backward updates `weight` with `fused` instead of a gradient.
     `check`: a deferred Check already made for these ids (EmbeddingCollection's), if any."""
-    _unsupported(scale_grad_by_freq, sparse)
+    _unsupported(weight, scale_grad_by_freq, sparse)
     flat, keep, padding_idx, own = prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name)
     out = _lookup(_EmbeddingCall, fused, (padding_idx,), weight.detach(), check or own, 0, flat, keep, None)
     return out.view(*input.shape, weight.shape[1])
