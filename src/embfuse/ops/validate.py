@@ -89,14 +89,17 @@ def check_weight(weight: torch.Tensor, op: str = "embedding") -> None:
 
 def row_major(weight: torch.Tensor) -> bool:
     """Whether a table's rows are contiguous (stride 1 along a row), as the kernels read them.
-    Other tables (a transposed one) take the torch-op path; a fused optimizer refuses them."""
+    Other tables (a transposed one) take the torch-op path (a fused optimizer refuses them:
+    check_fused_table)."""
     return weight.shape[1] <= 1 or weight.stride(1) == 1
 
 
-def check_row_major(weight: torch.Tensor) -> None:
-    if not row_major(weight):
-        raise BadArgumentError(f"a fused optimizer updates rows in place and needs a row-major table (weight.stride(1) "
-                               f"== 1), got strides {tuple(weight.stride())}; pass weight.contiguous()")
+def check_fused_table(weight: torch.Tensor) -> None:
+    """A fused optimizer's table: contiguous, as its kernels write rows in place (at the call,
+    not later in the backward)."""
+    if not weight.is_contiguous():
+        raise BadArgumentError(f"a fused optimizer updates rows in place and needs a contiguous table, got strides "
+                               f"{tuple(weight.stride())} for shape {tuple(weight.shape)}; pass weight.contiguous()")
 
 
 def padding_index(padding_idx: int | None, num_embeddings: int) -> int:

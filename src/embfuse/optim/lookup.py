@@ -27,7 +27,7 @@ from embfuse.ops.collection import pool_collection
 from embfuse.ops.deferred import TracedCheck, check_of, known_good
 from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
 from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
-from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_row_major
+from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_fused_table
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
 from embfuse.optim.rules import init_state
@@ -308,7 +308,7 @@ def fused_embedding_bag_collection(fused: FusedOptimizer, weights, values, offse
 
 
 def _unsupported(weight, scale_grad_by_freq, sparse, mode="sum"):
-    check_row_major(weight)
+    check_fused_table(weight)
     if scale_grad_by_freq or sparse or mode == "max":
         raise ValueError("a fused optimizer supports sum, mean, sqrtn and wmean pooling without scale_grad_by_freq or "
                          "sparse")
