@@ -32,7 +32,7 @@ from torch import Tensor
 from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
 from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
-from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, _dtype, _pooling
+from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
 from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, divide_reference, pool_norm_reference, weight_term
 from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
@@ -68,7 +68,7 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
 
 def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan) -> dict:
     return {
-        "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(_dtype(t.data_type)), _pooling(t.pooling),
+        "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(table_dtype(t.data_type)), pooling_name(t.pooling),
                     list(t.feature_names)) for t in ebc.tables],
         "is_weighted": ebc.is_weighted(), "optimizer": repr(ebc.optimizer),
         "hot_rows": None if ebc._hot is None else (ebc._hot.k, ebc._hot.refresh, ebc._hot.min_values),
@@ -135,9 +135,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         shards = self.plan.local(rank)
         for s in sorted(shards, key=lambda s: s.table in self._exact):
             t = self.tables[self._table_index[s.table]]
-            pooling = "sum" if self.plan.types[s.table] == "row_wise" else _pooling(t.pooling)
+            pooling = "sum" if self.plan.types[s.table] == "row_wise" else pooling_name(t.pooling)
             out.append(EmbeddingBagConfig(num_embeddings=s.rows, embedding_dim=s.dim, name=s.table,
-                                          data_type=_dtype(t.data_type), feature_names=list(t.feature_names),
+                                          data_type=table_dtype(t.data_type), feature_names=list(t.feature_names),
                                           pooling=pooling))
         return out
 
@@ -203,7 +203,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         firsts = slot_of[:, 0].tolist()
         self._in_order = max(copies) == 1 and all(len(s) == 1 for s in shards) and firsts == sorted(firsts)
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
-        self._divide = torch.tensor([POOLINGS[_pooling(table_of[f].pooling)] if k == "row_wise" else SUM
+        self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
                                      for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
         self._needs_norm = bool((self._divide != SUM).any())
         self._dims_t = torch.tensor(self._dims, device=dev)  # the norms' repeat counts
@@ -414,7 +414,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return out if self.local is None else torch.cat([self.local(fused).values(), out], 1)
 
     def _dtype(self):
-        return _dtype(self.tables[0].data_type)
+        return table_dtype(self.tables[0].data_type)
 
     def _columns(self) -> Tensor:
         """(P, sum of widths): for each output column, the column of the owners' pooled rows side
@@ -517,7 +517,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         spec = self._state_spec()
         out, states = {}, {name: [] for name in spec}
         for t in self.tables:
-            dtype = _dtype(t.data_type)
+            dtype = table_dtype(t.data_type)
             full = torch.empty(t.num_embeddings, t.embedding_dim, dtype=dtype, device=self.device)
             full_state = {name: torch.empty((t.num_embeddings,) if per == "row" else
                                             (t.num_embeddings, t.embedding_dim), dtype=torch.float32,

@@ -39,7 +39,7 @@ from embfuse.sparse.keyed_tensor import KeyedTensor
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _dtype(data_type) -> torch.dtype:
+def table_dtype(data_type) -> torch.dtype:
     """A torch dtype, or TorchRec's DataType (FP32 / FP16 / BF16) by name."""
     if isinstance(data_type, torch.dtype):
         return data_type
@@ -49,7 +49,7 @@ def _dtype(data_type) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _pooling(pooling) -> str:
+def pooling_name(pooling) -> str:
     """"sum" / "mean" (or TorchRec's PoolingType.SUM / MEAN), or TensorFlow's combiners (ops/bags.py):
     "sqrtn" (the sum over the square root of the bag's length, or of its weights' sum of squares)
     and "wmean" (the sum over the bag's weights' sum: TensorFlow's mean)."""
@@ -105,7 +105,7 @@ def _tf_rules(t: EmbeddingBagConfig) -> Optional[str]:
         return None
     if combiner not in POOLING:
         raise ValueError(f"table {t.name!r}: combiner must be 'sum', 'mean' or 'sqrtn', got {combiner!r}")
-    if _pooling(t.pooling) != "sum":
+    if pooling_name(t.pooling) != "sum":
         raise ValueError(f"table {t.name!r}: give combiner= (TensorFlow's) or pooling= (TorchRec's), not both")
     if default is not None and (isinstance(default, bool) or not isinstance(default, int)
                                 or not 0 <= default < t.num_embeddings):
@@ -168,13 +168,13 @@ class _Collection(FusedModule, _handles.Named, torch.nn.Module):
                 t.feature_names = [t.name]  # TorchRec's rule (it sets the config's field too)
             if len(set(t.feature_names)) != len(t.feature_names):
                 raise ValueError(f"table {t.name!r} lists a feature twice: {t.feature_names}")
-        dtypes = {_dtype(t.data_type) for t in tables}
+        dtypes = {table_dtype(t.data_type) for t in tables}
         if len(dtypes) > 1:
             raise TypeError(f"the tables of one collection share one buffer and one dtype; got {dtypes}")
         for t in tables:
-            for field in ("num_embeddings", "embedding_dim"):
-                if isinstance(getattr(t, field), bool) or not isinstance(getattr(t, field), int):
-                    raise TypeError(f"table {t.name!r}: {field} must be an int, got {getattr(t, field)!r}")
+            for size in ("num_embeddings", "embedding_dim"):
+                if isinstance(getattr(t, size), bool) or not isinstance(getattr(t, size), int):
+                    raise TypeError(f"table {t.name!r}: {size} must be an int, got {getattr(t, size)!r}")
             if t.num_embeddings <= 0 or t.embedding_dim <= 0:
                 raise ValueError(f"table {t.name!r}: num_embeddings and embedding_dim must be positive")
         self.tables = list(tables)
@@ -371,7 +371,7 @@ class EmbeddingBagCollection(_Collection):
         col = 0
         for i, (t, tf, names) in enumerate(zip(tables, tf_pooling, self._names_by_table)):
             for name in names:
-                self._feature[name] = (i, tf or _pooling(t.pooling), col)
+                self._feature[name] = (i, tf or pooling_name(t.pooling), col)
                 col += t.embedding_dim
                 if tf is not None:
                     self._safe[name] = safe_rule(t.combiner, is_weighted, t.default_id)
