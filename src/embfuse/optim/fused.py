@@ -14,6 +14,7 @@ from embfuse._triton import tl, triton, use_kernels
 from embfuse.ops.bags import DIM, OUT_COL, ROW_START, accumulation, backward_inputs, backward_inputs_reference
 from embfuse.ops.collection import one_width, table_view
 from embfuse.ops.deferred import known_good
+from embfuse.ops.validate import check_fused_table
 from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
                                   single_table)
 from embfuse.ops import tuning
@@ -190,8 +191,7 @@ def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=
         kernel = use_kernels(weight) and weight.dtype != torch.float64
     if not kernel:
         return apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx)
-    if not weight.is_contiguous():
-        raise ValueError("a fused optimizer updates the weight in place and needs it contiguous")
+    check_fused_table(weight)
     if padding_idx >= 0:
         ids = torch.where(ids == padding_idx, -1, ids)
     fused_update(weight, list(state.values()), optimizer, ids, single_table(*weight.shape, weight.device),
