@@ -227,8 +227,7 @@ def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, n
         # the renorm below writes rows named by the ids, and torch's own lookup (forward-mode AD)
         # reads them: they must be known good first
         bounds_check = "sync"
-    keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh,
-                               fold=fold and max_norm is None)
+    keep, check = validate_ids(input, num_embeddings, name=name, bounds_check=bounds_check, fresh=fresh, fold=fold)
     flat = input.reshape(-1).contiguous()
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, 0)
