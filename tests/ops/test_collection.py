@@ -85,6 +85,11 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     assert_close(got, want, dtype, reduction=len(values))
     assert torch.equal(got, collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, L, B, P.num_elements,
                                                 P.scaled, P.weight_sums))
+    # the gradient as a column slice of a wider one (torch.cat's backward): rows strided wider than they are
+    wide = torch.randn(B, P.total_dim + 3, device=KERNEL_DEVICE).to(dtype)
+    wide[:, 1:1 + P.total_dim] = grad
+    assert torch.equal(got, collection_backward(wide[:, 1:1 + P.total_dim], values, offsets, psw, P.meta, P.src_meta,
+                                                L, B, P.num_elements, P.scaled, P.weight_sums))
 
 
 @requires_kernels

@@ -208,8 +208,9 @@ def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layo
         return out
     keys, bag, scale = backward_inputs(values, offsets, psw, meta, B, wide_keys=layout.wide_keys, scaled=scaled,
                                        weight_sums=weight_sums, status=status, kernel=True, skips=skips, tail=tail)
-    return reduce_segments(keys, layout, grad.contiguous(), out, src_row=bag, scale=scale,
-                           src_stride=grad.stride(0), src_bags=B, src_meta=src_meta)
+    grad = grad.contiguous()  # (a column slice of a wider output, as torch.cat's backward gives, is strided)
+    return reduce_segments(keys, layout, grad, out, src_row=bag, scale=scale, src_stride=grad.stride(0), src_bags=B,
+                           src_meta=src_meta)
 
 
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
