@@ -83,7 +83,7 @@ def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="
                                  **hot)
     ref = copy.deepcopy(ebc)
     model = ed.shard(ebc, PLANS[plan_name])
-    assert model._in_order == (world == 1 or plan_name == "in_order")
+    assert model.routing.in_order == (world == 1 or plan_name == "in_order")
     tol = dict(dtype=dtype, reduction=8 * world)
     for step in range(steps):
         batches = [batch(r, step, weighted) for r in range(world)]

@@ -2,13 +2,16 @@
 local embfuse collection, and a batch crosses ranks twice.
 
 Forward, on every rank, for its own batch of B samples:
-1. Route (device ops, no host read): each id goes to the rank of its shard (row-wise: its row
-   block, made local; column-wise: every piece), sorted by (destination, feature) stably, so each
-   feature's bags keep their order. The batch is checked here too, into a status.
+1. Route: a feature of a table-wise table goes whole to its rank, one of a column-wise table
+   whole to every piece's rank; only a row-wise feature's ids are sorted by their row block
+   (stably, so its bags keep their order) and made local, which needs its ids' place in the
+   batch (the batch's per-key counts: a host read only if it does not carry them). The batch
+   is checked here too, into a status; every slot's lengths are counted on the device.
 2. One all-to-all of a small header per rank pair (the status, B, the ids per feature), then the
    one host read of the forward: sizes for the next collectives, and every rank's status. If any
    rank's batch is bad, every rank raises that rank's error (the same text everywhere); nothing
-   has been looked up or updated anywhere.
+   has been looked up or updated anywhere. The send buffer is then one copy of slices of the
+   batch (none when the batch is already in send order).
 3. Lengths, ids and weights go out in three asynchronous all-to-alls; each rank then looks up
    what it received with its local collection (one launch, fused optimizer included): the
    sources' samples one after another, so the bag order is the concatenated batch's.
@@ -29,19 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
+from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, SideBySide, _timed, all_to_all
 from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
+from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
 from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, divide_reference, pool_norm_reference, weight_term
-from embfuse.ops.validate import check_index_dtype, collection_status, validate_collection
+from embfuse.ops.validate import validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
 
-# a header row per rank pair: the sender's status, its batch size, then its ids per feature
-_STATUS, _BATCH, _COUNTS = 0, 1, 2
-_BAD_IDS, _BAD_LENGTHS, _BAD_ARGUMENT = 1, 2, 4
+_BAD_ARGUMENT = 4  # a status (collection_status's are 1 and 2)
 _ERRORS = {c.__name__: c for c in (errors.BadIdError, errors.BadBatchError, errors.BadDtypeError,
                                    errors.BadArgumentError, ValueError, TypeError, KeyError, IndexError)}
 
@@ -163,14 +165,13 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _build_routes(self) -> None:
         """Host tables of the routing: each rank's features (`entries`), their slots (one per
-        (rank, feature)), each rank's pooled width and where each feature sits in it."""
-        W, F = self.world, len(self.feature_names)
+        (rank, feature)), each rank's pooled width and where each feature sits in it; `routing`."""
+        W = self.world
         self.entries = [[f for c in self._local_configs(r) for f in c.feature_names] for r in range(W)]
         self.widths = [sum(c.embedding_dim * len(c.feature_names) for c in self._local_configs(r)) for r in range(W)]
         self.slot_base = [0]
         for e in self.entries:
             self.slot_base.append(self.slot_base[-1] + len(e))
-        nslots = self.slot_base[-1]
         column = {}  # (rank, feature) -> first column of its piece in that rank's pooled rows
         for r in range(W):
             col = 0
@@ -183,112 +184,31 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                     self.tables[self._table_index[s]].feature_names}
         shards = [self.plan.shards[table_of[f].name] for f in self.feature_names]
         kinds = [self.plan.types[table_of[f].name] for f in self.feature_names]
-        copies = [len(s) if k == "column_wise" else 1 for s, k in zip(shards, kinds)]
-        width = max(len(s) for s in shards) + max(copies)
-        slot_of = torch.full((F, width), nslots, dtype=torch.int64)
-        for i, (f, ss) in enumerate(zip(self.feature_names, shards)):
-            for j, s in enumerate(ss):
-                slot_of[i, j] = self.slot_base[s.rank] + self.entries[s.rank].index(f)
         rows = [table_of[f].num_embeddings for f in self.feature_names]
-        block = [ss[0].rows if k == "row_wise" else r for ss, k, r in zip(shards, kinds, rows)]
         dev = self.device
-        self._slot_of = slot_of.to(dev)
-        self._limits = torch.tensor(rows, dtype=torch.int64, device=dev)
-        self._block = torch.tensor(block, dtype=torch.int64, device=dev)
-        self._copies = torch.tensor(copies, dtype=torch.int64, device=dev)
-        self._max_copies = max(copies)
+        self.routing = Routing(self.feature_names, shards, kinds, rows, self.entries, self.slot_base, self._is_weighted,
+                               dev)
         self._shards, self._kinds = shards, kinds
-        # every feature to one slot, slots in feature order (a world of one, say): the batch is
-        # already in send order and the sort is skipped
-        firsts = slot_of[:, 0].tolist()
-        self._in_order = max(copies) == 1 and all(len(s) == 1 for s in shards) and firsts == sorted(firsts)
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
         self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
                                      for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
         self._needs_norm = bool((self._divide != SUM).any())
         self._dims_t = torch.tensor(self._dims, device=dev)  # the norms' repeat counts
         self._table_names = [table_of[f].name for f in self.feature_names]
-        H = _COUNTS + max(len(e) for e in self.entries)
-        self._header_width = H
-        pos = [r * H + _COUNTS + e for r in range(W) for e in range(len(self.entries[r]))]
-        self._header_pos = torch.tensor(pos, dtype=torch.int64, device=dev)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
 
     # ---- forward ----
-    def _features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        missing = [f for f in self.feature_names if f not in kjt.keys()]
-        if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
-            raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
-                   ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
-        kjt = kjt.unpad() if kjt._padded else kjt  # (the exchange reads its sizes on the host anyway)
-        if kjt.keys() != self.feature_names:
-            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
-        return kjt
-
-    def _route(self, kjt: KeyedJaggedTensor):
-        """Device ops only: the status of this batch, and its copies sorted by slot (ids local to
-        their shard), with the lengths a slot and sample. Bad ids and lengths are clamped so that
-        routing a bad batch stays in bounds (it is then never sent)."""
-        kjt = self._features(kjt)
-        values, lengths, psw = kjt.values(), kjt.lengths(), kjt.weights_or_none() if self._is_weighted else None
-        if self._is_weighted and psw is None:
-            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
-        check_index_dtype("values", values)
-        check_index_dtype("lengths", lengths)
-        for name, t in (("values", values), ("lengths", lengths)):
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}; this rank's shards are on {self.device}")
-        B, F, n = kjt.stride(), len(self.feature_names), values.numel()
-        if F * B == 0 and n:
-            raise errors.BadBatchError(f"the batch has no bags but {n} values")
-        Bs, dev = max(B, 1), self.device
-        lengths = lengths.long()
-        offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        status = collection_status(values, offsets, self._limits, B)
-        # ids as int64 and weights as fp32 whatever each rank was given: the collectives need
-        # every rank to send one dtype
-        psw = psw.float() if psw is not None else None
-        if self._in_order:  # every feature to one slot, in order: the batch is its own send buffer
-            ids_sorted, w_sorted, lens = values.long(), psw, lengths.view(F, B)
-        else:
-            # each value's feature and sample (bad lengths give garbage here, clamped in range:
-            # the batch is then never sent); ids clamped into their tables for the same reason
-            bag = bag_of_value(offsets, n).clamp(0, max(F * B - 1, 0))
-            feat, sample = bag // Bs, bag % Bs
-            limit = self._limits[feat]
-            ids = torch.minimum(values.long().clamp(min=0), limit - 1)
-            block = self._block[feat]
-            shard = ids // block
-            local = ids - shard * block
-            C = self._max_copies
-            copy = torch.arange(C, device=dev).repeat_interleave(n)
-            feat_c, shard_c = feat.repeat(C), shard.repeat(C)
-            nslots = self.slot_base[-1]
-            slot = torch.where(copy < self._copies[feat_c], self._slot_of[feat_c, shard_c + copy], nslots)
-            order = torch.sort(slot.int(), stable=True).indices
-            ids_sorted = local.repeat(C)[order]
-            w_sorted = psw.repeat(C)[order] if psw is not None else None
-            count = torch.zeros((nslots + 1) * Bs, dtype=torch.int64, device=dev)
-            count.index_add_(0, slot * Bs + sample.repeat(C), torch.ones_like(slot))
-            lens = count.view(nslots + 1, Bs)[:nslots, :B]
-        header = torch.zeros(self.world * self._header_width, dtype=torch.int64, device=dev)
-        header[_STATUS::self._header_width] = status
-        header[_BATCH::self._header_width] = B
-        header[self._header_pos] = lens.sum(1)
-        return header, (kjt, offsets, ids_sorted, w_sorted, lens, B)
-
     def _raise_everywhere(self, statuses: list[int], routed, error: Optional[BaseException]) -> None:
         """Every rank raises the error of the first rank whose batch is bad, with its text."""
         mine = None
         if error is not None:
             mine = (type(error).__name__, str(error.args[0]) if error.args else str(error))
         elif statuses[self.rank]:
-            kjt, offsets = routed[0], routed[1]
+            kjt, offsets = routed.kjt, routed.offsets
             try:
-                validate_collection(kjt.values(), offsets, None, self._limits, kjt.stride(), self.feature_names,
+                validate_collection(kjt.values(), offsets, None, self.routing.limits, kjt.stride(), self.feature_names,
                                     self._table_names, "sync")
                 mine = ("BadBatchError", "the batch was refused by its rank's check")
             except (errors.BadIdError, errors.BadBatchError) as e:
@@ -303,34 +223,34 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         """The request half of the input exchange: route, exchange the headers (the one host
         read; a bad batch anywhere raises here, on every rank), start the lengths, ids and
         weights all-to-alls, and return without waiting for them."""
-        W, H = self.world, self._header_width
+        W, H = self.world, self.routing.header_width
         error, routed = None, None
         try:
-            header, routed = self._route(features)
+            header, routed = self.routing.route(features)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
             error = e
             header = torch.zeros(W * H, dtype=torch.int64, device=self.device)
-            header[_STATUS::H] = _BAD_ARGUMENT
+            header[STATUS::H] = _BAD_ARGUMENT
         timer = self.comm_timer
         with _timed(timer, "input", self.device):
             got, _ = all_to_all(header, [H] * W, [H] * W, self.group)
             sent_host, got_host = torch.stack([header, got]).view(2, W, H).tolist()
-        statuses = [got_host[r][_STATUS] for r in range(W)]
+        statuses = [got_host[r][STATUS] for r in range(W)]
         if any(statuses):
             self._raise_everywhere(statuses, routed, error)
-        kjt, _, ids, w, lens, B = routed
+        kjt, lens, B = routed.kjt, routed.lens, routed.B
         E = len(self.entries[self.rank])
-        batches = [got_host[r][_BATCH] for r in range(W)]
-        send_ids = [sum(sent_host[d][_COUNTS:_COUNTS + len(self.entries[d])]) for d in range(W)]
-        recv_counts = [got_host[s][_COUNTS:_COUNTS + E] for s in range(W)]
+        batches = [got_host[r][BATCH] for r in range(W)]
+        sent_counts = [sent_host[d][COUNTS:COUNTS + len(self.entries[d])] for d in range(W)]
+        send_ids = [sum(c) for c in sent_counts]
+        recv_counts = [got_host[s][COUNTS:COUNTS + E] for s in range(W)]
         recv_ids = [sum(c) for c in recv_counts]
+        ids, w = self.routing.send_buffers(routed, [c for counts in sent_counts for c in counts])
         with _timed(timer, "input", self.device):
-            ids = ids[:sum(send_ids)]
             rl, w1 = all_to_all(lens.reshape(-1), [len(self.entries[d]) * B for d in range(W)],
                                 [E * b for b in batches], self.group, async_op=True)
             rv, w2 = all_to_all(ids, send_ids, recv_ids, self.group, async_op=True)
-            rw, w3 = all_to_all(w[:ids.numel()], send_ids, recv_ids, self.group, async_op=True) if w is not None \
-                else (None, None)
+            rw, w3 = all_to_all(w, send_ids, recv_ids, self.group, async_op=True) if w is not None else (None, None)
         return InputDist(self, kjt, B, batches, recv_counts, rl, rv, rw, [x for x in (w1, w2, w3) if x is not None])
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
@@ -416,10 +336,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _dtype(self):
         return table_dtype(self.tables[0].data_type)
 
-    def _columns(self) -> Tensor:
+    def _columns(self):
         """(P, sum of widths): for each output column, the column of the owners' pooled rows side
         by side (owner 0's, owner 1's, ...) it comes from, or the zero column after them; P = 1
-        without row-wise tables, else the most row shards (one layer a partial sum)."""
+        without row-wise tables, else the most row shards (one layer a partial sum). Then whether
+        that is the identity, and (P = 1) the same as SideBySide's moves, else None."""
         if self._assembly is None:
             start = [0]
             for w in self.widths:
@@ -434,16 +355,28 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                     index[layer, col + lo:col + lo + s.dim] = torch.arange(first, first + s.dim)
                 col += dim
             identity = parts == 1 and torch.equal(index[0], torch.arange(index.shape[1]))
-            self._assembly = index.to(self.device), identity
+            moves = None
+            if parts == 1:  # runs of output columns from consecutive columns of one rank
+                owner = torch.bucketize(index[0], torch.tensor(start[1:]), right=True).tolist()
+                moves = []
+                for c, (r, at) in enumerate(zip(owner, index[0].tolist())):
+                    if moves and moves[-1][0] == r and moves[-1][1] + moves[-1][2] == at - start[r]:
+                        moves[-1][2] += 1
+                    else:
+                        moves.append([r, at - start[r], 1, c])
+                moves = [tuple(m) for m in moves]
+            self._assembly = index.to(self.device), identity, moves
         return self._assembly
 
     def _assemble(self, recv: Tensor, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """This rank's (B, sum of widths) output from what the owners sent: column selections of
         their pooled rows side by side (no scatter: each output column has one source a layer;
         row-wise layers are added in shard order), divided by row-wise bags' norms."""
-        index, identity = self._columns()
+        index, identity, moves = self._columns()
         if self.world == 1:
             side = recv.view(B, self.widths[0])
+        elif moves is not None and not self._needs_norm:
+            return SideBySide.apply(recv, B, self.widths, moves)
         else:  # split, not slices: a slice's backward zero-fills the whole buffer
             blocks = torch.split(recv, [B * w for w in self.widths])
             side = torch.cat([b.view(B, w) for b, w in zip(blocks, self.widths)], dim=1)

@@ -1,0 +1,162 @@
+"""Where a sharded collection's batch goes (sharded.py's step 1): each rank's slots (one per
+(rank, feature) it holds), the lengths and counts of every slot, the header of counts, and the
+send buffer.
+
+A feature of a table-wise table goes whole to its rank, one of a column-wise table whole to every
+piece's rank: their ids move as block copies, as given. Only a row-wise feature's ids are read
+one by one: bucketed by row block (sorted stably, so each bag keeps its order) and made local to
+the block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from embfuse.ops import errors
+from embfuse.ops.bags import bag_of_value
+from embfuse.ops.validate import check_index_dtype, collection_status
+from embfuse.sparse.jagged import KeyedJaggedTensor
+
+# a header row per rank pair: the sender's status, its batch size, then its ids per slot of the receiver
+STATUS, BATCH, COUNTS = 0, 1, 2
+
+
+@dataclass
+class Routed:
+    """A batch routed on its rank: `lens` (slots, B) each slot's lengths; `values` / `psw` the
+    batch's ids (int64) and weights (fp32); `rows` each row-wise feature's (local ids, weights)
+    sorted by row block."""
+
+    kjt: KeyedJaggedTensor
+    offsets: Tensor
+    values: Tensor
+    psw: Optional[Tensor]
+    rows: dict
+    lens: Tensor
+    B: int
+
+
+class Routing:
+    """The host tables of the routing of one plan (`shards`, `kinds`: per feature, in
+    `feature_names` order; `entries[r]`: rank r's features, one slot each, from `slot_base[r]`)."""
+
+    def __init__(self, feature_names, shards, kinds, rows, entries, slot_base, is_weighted, device):
+        F, nslots = len(feature_names), slot_base[-1]
+        self.feature_names, self.is_weighted, self.device = feature_names, is_weighted, device
+        self.rows, self.limits = rows, torch.tensor(rows, dtype=torch.int64, device=device)
+        # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
+        # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise
+        # feature's (shards, B) counts]: `slot_rows` picks them.
+        self.row_features = [i for i, (k, ss) in enumerate(zip(kinds, shards)) if k == "row_wise" and len(ss) > 1]
+        self.row_blocks = {i: (shards[i][0].rows, len(shards[i])) for i in self.row_features}
+        row_base, base = {}, F
+        for i in self.row_features:
+            row_base[i] = base
+            base += len(shards[i])
+        source = {}
+        for i, (f, ss) in enumerate(zip(feature_names, shards)):
+            for j, s in enumerate(ss):
+                source[slot_base[s.rank] + entries[s.rank].index(f)] = (i, j if i in row_base else None)
+        self.slot_source = [source[slot] for slot in range(nslots)]
+        self.slot_rows = torch.tensor([f if j is None else row_base[f] + j for f, j in self.slot_source],
+                                      dtype=torch.int64, device=device)
+        # every slot a whole feature, slots in feature order (a world of one, say): the batch is
+        # already its own send buffer
+        self.in_order = self.slot_source == [(i, None) for i in range(F)]
+        self.world = len(entries)
+        self.header_width = H = COUNTS + max(len(e) for e in entries)
+        pos = [r * H + COUNTS + e for r in range(self.world) for e in range(len(entries[r]))]
+        self.header_pos = torch.tensor(pos, dtype=torch.int64, device=device)
+
+    def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch unpadded, its keys in the collection's feature order."""
+        missing = [f for f in self.feature_names if f not in kjt.keys()]
+        if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
+            raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
+                   ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
+        kjt = kjt.unpad() if kjt._padded else kjt  # (the exchange reads its sizes on the host anyway)
+        if kjt.keys() != self.feature_names:
+            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        return kjt
+
+    def route(self, kjt: KeyedJaggedTensor) -> tuple[Tensor, Routed]:
+        """The header to exchange (this batch's status and counts a slot) and the routed batch.
+        Bad ids and lengths are clamped where they are read one by one, so that routing a bad
+        batch stays in bounds (it is then never sent)."""
+        kjt = self.features(kjt)
+        values, lengths = kjt.values(), kjt.lengths()
+        psw = kjt.weights_or_none() if self.is_weighted else None
+        if self.is_weighted and psw is None:
+            raise ValueError("a weighted collection (is_weighted=True) needs a batch with weights")
+        check_index_dtype("values", values)
+        check_index_dtype("lengths", lengths)
+        for name, t in (("values", values), ("lengths", lengths)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; this rank's shards are on {self.device}")
+        B, F, n = kjt.stride(), len(self.feature_names), values.numel()
+        if F * B == 0 and n:
+            raise errors.BadBatchError(f"the batch has no bags but {n} values")
+        Bs, dev = max(B, 1), self.device
+        lengths = lengths.long()
+        offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        status = collection_status(values, offsets, self.limits, B)
+        # ids as int64 and weights as fp32 whatever each rank was given: the collectives need
+        # every rank to send one dtype
+        psw = psw.float() if psw is not None else None
+        values = values.long()
+        lens = lengths.view(F, B)
+        rows = {}
+        if self.row_features:
+            starts = [0]
+            for c in kjt.length_per_key():  # (host counts: read only if the batch does not carry them)
+                starts.append(starts[-1] + c)
+            parts = [lens]
+            for i in self.row_features:
+                block, S = self.row_blocks[i]
+                v = values[starts[i]:starts[i + 1]]  # (bad lengths: garbage here, in bounds, never sent)
+                sample = bag_of_value(offsets[i * B:(i + 1) * B + 1] - offsets[i * B], v.numel()).clamp(0, Bs - 1)
+                ids = v.clamp(0, self.rows[i] - 1)
+                shard = ids // block
+                order = torch.sort(shard.int(), stable=True).indices
+                rows[i] = ((ids - shard * block)[order],
+                           None if psw is None else psw[starts[i]:starts[i + 1]][order])
+                parts.append(torch.zeros(S * Bs, dtype=torch.int64, device=dev)
+                             .index_add_(0, shard * Bs + sample, torch.ones_like(shard)).view(S, Bs)[:, :B])
+            lens = torch.cat(parts)
+        lens = lens.index_select(0, self.slot_rows)
+        H = self.header_width
+        header = torch.zeros(self.world * H, dtype=torch.int64, device=dev)
+        header[STATUS::H] = status
+        header[BATCH::H] = B
+        header[self.header_pos] = lens.sum(1)
+        return header, Routed(kjt, offsets, values, psw, rows, lens, B)
+
+    def send_buffers(self, routed: Routed, counts: list[int]) -> tuple[Tensor, Optional[Tensor]]:
+        """The ids and weights to send, slot after slot (`counts`: each slot's, from the header):
+        slices of the batch for whole features, of the sorted blocks for row-wise ones; one copy
+        (none when the batch is already in slot order)."""
+        values, psw = routed.values, routed.psw
+        if self.in_order:
+            return values, psw
+        size = [0] * len(self.feature_names)  # each feature's ids (a row-wise one's: the sum of its shards')
+        for (i, j), c in zip(self.slot_source, counts):
+            size[i] = c if j is None else size[i] + c
+        starts = [0]
+        for c in size:
+            starts.append(starts[-1] + c)
+        placed = {}  # row-wise feature -> its ids placed so far
+        ids, wts = [], []
+        for (i, j), c in zip(self.slot_source, counts):
+            if j is None:
+                ids.append(values[starts[i]:starts[i] + c])
+                wts.append(None if psw is None else psw[starts[i]:starts[i] + c])
+            else:
+                a = placed.get(i, 0)
+                placed[i] = a + c
+                ids.append(routed.rows[i][0][a:a + c])
+                wts.append(None if psw is None else routed.rows[i][1][a:a + c])
+        return torch.cat(ids), None if psw is None else torch.cat(wts)
