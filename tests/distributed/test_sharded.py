@@ -145,10 +145,15 @@ def test_nccl_world_of_one_under_torchrun():
                    timeout=600)
 
 
-def _errors(rank, world):
+def _mixed(world):
+    """The mixed plan (it places a table on rank 1), or where there is no rank 1 the same types unplaced."""
+    return PLANS["mixed"] if world > 1 else PLANS["mixed_unplaced"]
+
+
+def _errors(rank, world, device="cpu"):
     torch.manual_seed(5)
-    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1))
-    model = ed.shard(ebc, PLANS["mixed"])
+    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1), device=device)
+    model = ed.shard(ebc, _mixed(world))
     before = model.full_state_dict()
     good = batch(rank, 0, False)
 
@@ -156,7 +161,7 @@ def _errors(rank, world):
 
     def raises_everywhere(kjt, cls, text):
         with pytest.raises(cls) as e:
-            model(kjt if rank == world - 1 else kjt_of(good, False)).values().sum().backward()
+            model((kjt if rank == world - 1 else kjt_of(good, False)).to(device)).values().sum().backward()
         message = e.value.args[0]
         assert message.startswith(f"rank {world - 1}'s batch: ") and text in message, message
 
@@ -174,7 +179,7 @@ def _errors(rank, world):
     after = model.full_state_dict()
     for k in before:  # nothing updated anywhere
         assert torch.equal(after[k], before[k]), k
-    model(kjt_of(good, False)).values().sum().backward()  # and the next good batch trains
+    model(kjt_of(good, False).to(device)).values().sum().backward()  # and the next good batch trains
     assert not torch.equal(model.full_state_dict()["embedding_bags.user.weight"], before["embedding_bags.user.weight"])
 
 
@@ -205,15 +210,15 @@ def test_ranks_given_different_collections_fail_at_shard():
     run_world(_mismatch, 2)
 
 
-def _save(rank, world, path):
+def _save(rank, world, path, device="cpu"):
     torch.manual_seed(5)
-    model = ed.shard(EmbeddingBagCollection(tables(), optimizer=Adam(lr=0.05)), PLANS["mixed"])
+    model = ed.shard(EmbeddingBagCollection(tables(), optimizer=Adam(lr=0.05), device=device), _mixed(world))
     for step in range(2):
-        model(kjt_of(batch(rank, step, False), False)).values().sum().backward()
+        model(kjt_of(batch(rank, step, False), False).to(device)).values().sum().backward()
     state = model.full_state_dict()
     if rank == 0:
         torch.save(state, path)
-        plain = EmbeddingBagCollection(tables(), optimizer=Adam(lr=0.05))
+        plain = EmbeddingBagCollection(tables(), optimizer=Adam(lr=0.05), device=device)
         plain.load_state_dict(state)  # loads into the unsharded collection, bitwise
         for k, v in plain.state_dict().items():
             assert torch.equal(v, state[k]), k

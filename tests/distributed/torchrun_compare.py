@@ -1,14 +1,16 @@
 """`torchrun --nproc_per_node=N -m tests.distributed.torchrun_compare`: every plan and optimizer
-against the unsharded collection, and TrainPipeline against the plain loop, on this launch's ranks (NCCL and CUDA tables when there is a
-GPU, gloo and CPU tables otherwise)."""
+against the unsharded collection, a bad batch on the last rank, a checkpoint from every rank
+loaded into one collection, and TrainPipeline against the plain loop, on this launch's ranks
+(NCCL and CUDA tables when there is a GPU, gloo and CPU tables otherwise)."""
 
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 from tests.distributed.test_pipeline import _pipeline_equals_plain_loop
-from tests.distributed.test_sharded import _all_plans
+from tests.distributed.test_sharded import _all_plans, _errors, _save
 
 if __name__ == "__main__":
     cuda = torch.cuda.is_available()
@@ -19,6 +21,11 @@ if __name__ == "__main__":
         device = "cuda" if cuda else "cpu"
         _all_plans(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: every plan matches the unsharded collection")
+        _errors(dist.get_rank(), dist.get_world_size(), device)
+        print(f"rank {dist.get_rank()}: a bad batch on rank {dist.get_world_size() - 1} raised here too, nothing changed")
+        with tempfile.TemporaryDirectory() as folder:
+            _save(dist.get_rank(), dist.get_world_size(), os.path.join(folder, "full.pt"), device)
+        print(f"rank {dist.get_rank()}: full_state_dict loads into one unsharded collection, bitwise")
         _pipeline_equals_plain_loop(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: TrainPipeline trains as the plain loop, bitwise")
     finally:
