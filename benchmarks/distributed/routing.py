@@ -18,7 +18,7 @@ from embfuse.ops.bags import bag_of_value
 from embfuse.ops.validate import collection_status
 from embfuse.optim import RowWiseAdagrad
 
-dev = torch.device("cuda")
+dev = torch.device("cuda", 0)
 W, B = 2, 16384
 w = Workload("criteo-sharded", "collection-train-rowwise", 1_000_000, 128, B, 20, "powerlaw", 1.05, "csr", tables=26)
 cfgs = [embfuse.EmbeddingBagConfig(r, 128, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))]
