@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from embfuse.ops import errors
-from embfuse.ops.bags import bag_of_value
 from embfuse.ops.validate import check_index_dtype, collection_status
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
@@ -27,14 +26,14 @@ STATUS, BATCH, COUNTS = 0, 1, 2
 @dataclass
 class Routed:
     """A batch routed on its rank: `lens` (slots, B) each slot's lengths; `values` / `psw` the
-    batch's ids (int64) and weights (fp32); `rows` each row-wise feature's (local ids, weights)
-    sorted by row block."""
+    batch's ids (int64) and weights (fp32); `rows` the row-wise features' (local ids, weights)
+    in slot order (Routing's keys), or None."""
 
     kjt: KeyedJaggedTensor
     offsets: Tensor
     values: Tensor
     psw: Optional[Tensor]
-    rows: dict
+    rows: Optional[tuple]
     lens: Tensor
     B: int
 
@@ -46,16 +45,21 @@ class Routing:
     def __init__(self, feature_names, shards, kinds, rows, entries, slot_base, is_weighted, device):
         F, nslots = len(feature_names), slot_base[-1]
         self.feature_names, self.is_weighted, self.device = feature_names, is_weighted, device
-        self.rows, self.limits = rows, torch.tensor(rows, dtype=torch.int64, device=device)
+        self.limits = torch.tensor(rows, dtype=torch.int64, device=device)
         # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
         # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise
         # feature's (shards, B) counts]: `slot_rows` picks them.
+        # A row-wise feature's ids are bucketed by key = its place among them x the most shards
+        # + the id's shard: one stable sort puts every row-wise feature's ids in slot order.
         self.row_features = [i for i, (k, ss) in enumerate(zip(kinds, shards)) if k == "row_wise" and len(ss) > 1]
-        self.row_blocks = {i: (shards[i][0].rows, len(shards[i])) for i in self.row_features}
-        row_base, base = {}, F
-        for i in self.row_features:
-            row_base[i] = base
-            base += len(shards[i])
+        self.most_shards = max([len(shards[i]) for i in self.row_features], default=1)
+        key_base = [0] * F
+        for k, i in enumerate(self.row_features):
+            key_base[i] = k * self.most_shards
+        self.key_base = torch.tensor(key_base, dtype=torch.int64, device=device)
+        self.blocks = torch.tensor([ss[0].rows if i in self.row_features else r for i, (ss, r) in
+                                    enumerate(zip(shards, rows))], dtype=torch.int64, device=device)
+        row_base = {i: F + key_base[i] for i in self.row_features}
         source = {}
         for i, (f, ss) in enumerate(zip(feature_names, shards)):
             for j, s in enumerate(ss):
@@ -109,24 +113,25 @@ class Routing:
         psw = psw.float() if psw is not None else None
         values = values.long()
         lens = lengths.view(F, B)
-        rows = {}
+        rows = None
         if self.row_features:
             starts = [0]
             for c in kjt.length_per_key():  # (host counts: read only if the batch does not carry them)
-                starts.append(starts[-1] + c)
-            parts = [lens]
-            for i in self.row_features:
-                block, S = self.row_blocks[i]
-                v = values[starts[i]:starts[i + 1]]  # (bad lengths: garbage here, in bounds, never sent)
-                sample = bag_of_value(offsets[i * B:(i + 1) * B + 1] - offsets[i * B], v.numel()).clamp(0, Bs - 1)
-                ids = v.clamp(0, self.rows[i] - 1)
-                shard = ids // block
-                order = torch.sort(shard.int(), stable=True).indices
-                rows[i] = ((ids - shard * block)[order],
-                           None if psw is None else psw[starts[i]:starts[i + 1]][order])
-                parts.append(torch.zeros(S * Bs, dtype=torch.int64, device=dev)
-                             .index_add_(0, shard * Bs + sample, torch.ones_like(shard)).view(S, Bs)[:, :B])
-            lens = torch.cat(parts)
+                starts.append(min(max(starts[-1] + c, 0), n))  # (in bounds whatever the lengths)
+            spans = [torch.arange(starts[i], starts[i + 1], device=dev) for i in self.row_features]
+            at = spans[0] if len(spans) == 1 else torch.cat(spans)
+            # (bad lengths: garbage from here on, clamped in bounds, never sent)
+            bag = (torch.searchsorted(offsets, at, right=True) - 1).clamp(0, max(F * B - 1, 0))
+            feature = bag // Bs
+            ids = torch.minimum(values[at].clamp(min=0), self.limits[feature] - 1)
+            shard = ids // self.blocks[feature]
+            K = len(self.row_features) * self.most_shards
+            key = (self.key_base[feature] + shard).clamp(max=K - 1)
+            order = torch.sort(key.int(), stable=True).indices
+            rows = ((ids - shard * self.blocks[feature])[order], None if psw is None else psw[at][order])
+            counts = torch.zeros(K * Bs, dtype=torch.int64, device=dev).index_add_(
+                0, key * Bs + bag - feature * Bs, torch.ones_like(key))
+            lens = torch.cat([lens, counts.view(K, Bs)[:, :B]])
         lens = lens.index_select(0, self.slot_rows)
         H = self.header_width
         header = torch.zeros(self.world * H, dtype=torch.int64, device=dev)
@@ -143,20 +148,25 @@ class Routing:
         if self.in_order:
             return values, psw
         size = [0] * len(self.feature_names)  # each feature's ids (a row-wise one's: the sum of its shards')
+        count = {}
         for (i, j), c in zip(self.slot_source, counts):
-            size[i] = c if j is None else size[i] + c
+            size[i] = c if j is None else size[i] + c  # (a column-wise feature: each copy is the whole)
+            count[(i, j)] = c
         starts = [0]
         for c in size:
             starts.append(starts[-1] + c)
-        placed = {}  # row-wise feature -> its ids placed so far
+        at, key_start = 0, {}  # row-wise (feature, shard) -> its first place among the sorted ids
+        for i in self.row_features:
+            for j in range(self.most_shards):
+                key_start[(i, j)] = at
+                at += count.get((i, j), 0)
         ids, wts = [], []
         for (i, j), c in zip(self.slot_source, counts):
             if j is None:
                 ids.append(values[starts[i]:starts[i] + c])
                 wts.append(None if psw is None else psw[starts[i]:starts[i] + c])
             else:
-                a = placed.get(i, 0)
-                placed[i] = a + c
-                ids.append(routed.rows[i][0][a:a + c])
-                wts.append(None if psw is None else routed.rows[i][1][a:a + c])
+                a = key_start[(i, j)]
+                ids.append(routed.rows[0][a:a + c])
+                wts.append(None if psw is None else routed.rows[1][a:a + c])
         return torch.cat(ids), None if psw is None else torch.cat(wts)
