@@ -22,3 +22,4 @@ def test_the_distributed_bench_runs_under_torchrun_on_gloo(tmp_path):
     result = json.loads((tmp_path / "distributed-2.json").read_text())
     assert result["backend"] == "gloo" and [r["rank"] for r in result["ranks"]] == [0, 1]
     assert all(r["examples_per_s"] > 0 and 0 < r["comm_share"] < 1 for r in result["ranks"])
+    assert all(r["no_exchange_device_us"] > 0 and r["pipelined_host_us"] > 0 for r in result["ranks"])

@@ -274,12 +274,19 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             incoming = self.input_dist(features)
         return self.output_wait(self.lookup_and_send(incoming))
 
+    def lookup(self, incoming: "InputDist") -> Tensor:
+        """Wait for the input exchange and pool what arrived with this rank's shards: every
+        source's samples in rank order, this rank's pooled width (its fused optimizer steps in
+        the backward). `embfuse bench --distributed` times it alone: the step without the
+        exchanges."""
+        rl, rv, rw = incoming.wait()
+        return self._lookup(rl, rv, rw, incoming.batches, incoming.counts)
+
     def lookup_and_send(self, incoming: "InputDist") -> "OutputDist":
         """Wait for the input exchange, look up this rank's shards, and start sending the pooled
         rows back (the request half of the output exchange)."""
-        rl, rv, rw = incoming.wait()
         B, batches = incoming.B, incoming.batches
-        pooled = self._lookup(rl, rv, rw, batches, incoming.counts)
+        pooled = self.lookup(incoming)
         if torch.is_grad_enabled() and not pooled.requires_grad:
             pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
         handle = OutputDist(incoming.kjt, B)
