@@ -56,3 +56,13 @@ def test_a_plan_over_a_ranks_memory_is_refused():
     with pytest.raises(ValueError, match="on rank 0, over its"):
         plan_shards(tables(), 2, {"big": "table_wise"}, optimizer=Adam(), memory_per_rank=700_000)
     plan_shards(tables(), 2, {"big": "table_wise"}, torch.float16, Adam(), memory_per_rank=700_000)
+
+
+def test_table_wise_tables_balance_lookups_among_the_ranks_they_fit_on():
+    ts = [EmbeddingBagConfig(rows, 64, name, feature_names=[f"f{name}"])
+          for rows, name in ((500, "big"), (480, "mid"), (10, "s1"), (10, "s2"))]
+    ranks = {t: s[0].rank for t, s in plan_shards(ts, 2, memory_per_rank=2**30).shards.items()}
+    assert ranks == {"big": 0, "mid": 1, "s1": 1, "s2": 0}  # two lookups a rank, not by bytes (3 on rank 1)
+    # rank 0 has no room left for s2 (big's 128000 bytes + 2560 > 130000): it goes where it fits
+    ranks = {t: s[0].rank for t, s in plan_shards(ts, 2, memory_per_rank=130_000).shards.items()}
+    assert ranks == {"big": 0, "mid": 1, "s1": 1, "s2": 1}

@@ -15,8 +15,9 @@ a group per host and a two-level exchange; it is not built.
   features' ids, when a sample batch is given; else one a feature);
 - a table larger than one rank's fair share of all bytes (total / W) is row-wise: that spreads
   both its bytes and its lookups evenly;
-- every other table is table-wise, placed largest first on the rank with the least load, where a
-  rank's load is its share of the bytes plus its share of the lookups (both balanced at once);
+- every other table is table-wise, placed largest first on the rank with the least lookup work
+  (lookups times width: what a step's time follows) among those it still fits on (bytes are a
+  limit, not a cost, while they fit), ties to the rank with fewer bytes;
 - column-wise is never picked: a user asks for it (it splits bytes, not lookups: every rank sees
   every id of the table);
 - a plan that leaves a rank over its memory (`memory_per_rank`, default: the GPU's) is refused.
@@ -134,8 +135,7 @@ def plan_shards(tables, world_size: int, plan: Optional[dict] = None, dtype=torc
                          f"{names})")
     size = {t.name: table_bytes(t, dtype, optimizer) for t in tables}
     work = {t.name: (lookups or {}).get(t.name, len(t.feature_names)) * t.embedding_dim for t in tables}
-    total_bytes, total_work = max(sum(size.values()), 1), max(sum(work.values()), 1)
-    share = total_bytes / world_size
+    share = sum(size.values()) / world_size
     kinds = {t.name: _parse(t.name, plan[t.name]) for t in tables if t.name in plan}
     for t in sorted(tables, key=lambda t: -size[t.name]):
         if t.name not in kinds:
@@ -158,12 +158,14 @@ def plan_shards(tables, world_size: int, plan: Optional[dict] = None, dtype=torc
             if not 0 <= rank < world_size:
                 raise ValueError(f"table {t.name!r}: rank {rank} is outside the world of {world_size}")
             add(_shards(t, kind, world_size, rank), t)
-    for t in sorted(tables, key=lambda t: (-size[t.name], t.name)):
-        if t.name not in placed:
-            rank = min(range(world_size), key=lambda r: (load_bytes[r] / total_bytes + load_work[r] / total_work, r))
-            add(_shards(t, "table_wise", world_size, rank), t)
     if memory_per_rank is None and torch.cuda.is_available():
         memory_per_rank = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    room = memory_per_rank if memory_per_rank is not None else float("inf")
+    for t in sorted(tables, key=lambda t: (-size[t.name], t.name)):
+        if t.name not in placed:
+            fits = [r for r in range(world_size) if load_bytes[r] + size[t.name] <= room] or range(world_size)
+            rank = min(fits, key=lambda r: (load_work[r], load_bytes[r], r))
+            add(_shards(t, "table_wise", world_size, rank), t)
     if memory_per_rank is not None:
         worst = max(range(world_size), key=lambda r: load_bytes[r])
         if load_bytes[worst] > memory_per_rank:
