@@ -11,7 +11,7 @@ import torch
 import embfuse
 from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.workloads import Workload
-from embfuse.distributed.comm import SideBySide
+from embfuse.distributed.assembly import SideBySide, gather_reference, move_columns, move_table, scatter_reference
 from embfuse.distributed.planner import plan_shards
 from embfuse.distributed.routing import COUNTS, Routing
 from embfuse.ops.bags import bag_of_value
@@ -103,6 +103,7 @@ for c, r in enumerate(owner):
     moves.append((r, at[r], 128, c * 128))
     at[r] += 128
 index = torch.tensor(index, device=dev)
+table = move_table(moves, widths, dev)
 recv = torch.randn(B * sum(widths), device=dev, requires_grad=True)
 g = torch.randn(B, 26 * 128, device=dev)
 
@@ -112,15 +113,44 @@ def old_assembly():
     side = torch.cat([b.view(B, w) for b, w in zip(blocks, widths)], dim=1)
     side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
     side.index_select(1, index).backward(g)
+    recv.grad = None  # (else each run also adds into the last run's gradient)
 
 
 def new_assembly():
-    SideBySide.apply(recv, B, widths, moves).backward(g)
+    SideBySide.apply(recv, B, widths, moves, table).backward(g)
+    recv.grad = None
 
 
-a = SideBySide.apply(recv, B, widths, moves)
+a = SideBySide.apply(recv, B, widths, moves, table)
 blocks = torch.split(recv, [B * w for w in widths])
 side = torch.cat([b.view(B, w) for b, w in zip(blocks, widths)], dim=1)
 assert torch.equal(a, side.index_select(1, index))
+def cat_assembly():  # SideBySide's torch path (the CPU's): torch.cat of column slices each way
+    gather_reference(recv.detach(), B, widths, moves)
+    scatter_reference(g, B, widths, moves)
+
+
 print(f"assembly of {B} x {26 * 128} fp32, forward + backward: old {timed(old_assembly):.0f} us, "
-      f"new {timed(new_assembly):.0f} us", flush=True)
+      f"torch.cat of runs {timed(cat_assembly):.0f} us, new {timed(new_assembly):.0f} us", flush=True)
+
+
+def events(fn, reps=30):
+    """Median GPU time of `fn` (CUDA events), us."""
+    ts = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            ts.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(ts)
+
+
+side, out = recv.detach(), torch.empty(B, 26 * 128, device=dev)
+print(f"each way alone (GPU time, us): kernel {events(lambda: move_columns(side, out, table, B, 128, True)):.0f} / "
+      f"{events(lambda: move_columns(side, g, table, B, 128, False)):.0f}, torch.cat of runs "
+      f"{events(lambda: gather_reference(side, B, widths, moves)):.0f} / "
+      f"{events(lambda: scatter_reference(g, B, widths, moves)):.0f}, a copy of the output "
+      f"{events(lambda: out.copy_(g)):.0f}", flush=True)

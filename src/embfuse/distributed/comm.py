@@ -81,30 +81,6 @@ class PooledAllToAll(torch.autograd.Function):
         return back.view(ctx.shape), None, None, None, None, None
 
 
-class SideBySide(torch.autograd.Function):
-    """The output assembled from the owners' pooled rows, which arrive one rank after another in
-    `recv` ((B, widths[r]) each), when each output column has one source: `moves` lists
-    (rank, its first column, width, output column) in output order and covers every column of
-    every rank once. One copy forward and one a rank backward: slices and torch.cat would
-    zero-fill the whole buffer a slice in the backward, and an index_select scatters."""
-
-    @staticmethod
-    def forward(ctx, recv, B, widths, moves):
-        ctx.B, ctx.widths, ctx.moves = B, widths, moves
-        blocks = [b.view(B, w) for b, w in zip(torch.split(recv, [B * w for w in widths]), widths)]
-        return torch.cat([blocks[r][:, a:a + w] for r, a, w, _ in moves], dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        B, widths = ctx.B, ctx.widths
-        out = grad.new_empty(B * sum(widths))
-        for r, block in enumerate(torch.split(out, [B * w for w in widths])):
-            mine = sorted((a, w, o) for rank, a, w, o in ctx.moves if rank == r)
-            if mine:
-                torch.cat([grad[:, o:o + w] for _, w, o in mine], dim=1, out=block.view(B, widths[r]))
-        return out, None, None, None
-
-
 class InputDist:
     """A batch's input exchange in flight: `wait()` makes the current stream (or, on gloo, the
     host) wait for the lengths, ids and weights, and returns them."""

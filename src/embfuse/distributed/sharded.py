@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, SideBySide, _timed, all_to_all
+from embfuse.distributed.assembly import SideBySide, move_table
+from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
 from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing
@@ -347,7 +348,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         """(P, sum of widths): for each output column, the column of the owners' pooled rows side
         by side (owner 0's, owner 1's, ...) it comes from, or the zero column after them; P = 1
         without row-wise tables, else the most row shards (one layer a partial sum). Then whether
-        that is the identity, and (P = 1) the same as SideBySide's moves, else None."""
+        that is the identity, and (P = 1) SideBySide's moves (host and device), else None."""
         if self._assembly is None:
             start = [0]
             for w in self.widths:
@@ -371,7 +372,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                         moves[-1][2] += 1
                     else:
                         moves.append([r, at - start[r], 1, c])
-                moves = [tuple(m) for m in moves]
+                moves = ([tuple(m) for m in moves], move_table(moves, self.widths, self.device))
             self._assembly = index.to(self.device), identity, moves
         return self._assembly
 
@@ -383,7 +384,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if self.world == 1:
             side = recv.view(B, self.widths[0])
         elif moves is not None and not self._needs_norm:
-            return SideBySide.apply(recv, B, self.widths, moves)
+            return SideBySide.apply(recv, B, self.widths, *moves)
         else:  # split, not slices: a slice's backward zero-fills the whole buffer
             blocks = torch.split(recv, [B * w for w in self.widths])
             side = torch.cat([b.view(B, w) for b, w in zip(blocks, self.widths)], dim=1)
