@@ -55,7 +55,10 @@ def _timed(timer: Optional[CommTimer], name: str, device):
 
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, async_op=False):
     """all_to_all_single on a 1-D buffer: `send_splits[r]` elements go to rank r and
-    `recv_splits[r]` come from it. Returns (the received buffer, the work handle or None)."""
+    `recv_splits[r]` come from it. Returns (the received buffer, the work handle or None); in a
+    world of one, `send` itself."""
+    if len(send_splits) == 1:  # a world of one: what is sent is what arrives, no collective
+        return send, None
     recv = send.new_empty(sum(recv_splits))
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=async_op)
     return recv, work
@@ -83,23 +86,22 @@ class PooledAllToAll(torch.autograd.Function):
 
 class InputDist:
     """A batch's input exchange in flight: `wait()` makes the current stream (or, on gloo, the
-    host) wait for the lengths, ids and weights, and returns them."""
+    host) wait for what arrived (lengths, ids and weights of every source, one buffer) and
+    returns it."""
 
-    def __init__(self, owner, kjt, B, batches, counts, rl, rv, rw, works):
+    def __init__(self, owner, kjt, B, batches, counts, recv, work):
         self.owner, self.kjt, self.B, self.batches, self.counts = owner, kjt, B, batches, counts
-        self._tensors, self._works = (rl, rv, rw), works
+        self._recv, self._work, self._waited = recv, work, False
 
-    def wait(self):
-        with _timed(self.owner.comm_timer, "input", self.owner.device):
-            for work in self._works:
-                work.wait()
-        self._works = []
-        if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
-            stream = torch.cuda.current_stream(self.owner.device)
-            for t in self._tensors:
-                if t is not None:
-                    t.record_stream(stream)
-        return self._tensors
+    def wait(self) -> torch.Tensor:
+        if not self._waited:
+            if self._work is not None:
+                with _timed(self.owner.comm_timer, "input", self.owner.device):
+                    self._work.wait()
+            self._waited, self._work = True, None
+            if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
+                self._recv.record_stream(torch.cuda.current_stream(self.owner.device))
+        return self._recv
 
 
 class OutputDist:

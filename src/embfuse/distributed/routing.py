@@ -67,10 +67,7 @@ class Routing:
         self.slot_source = [source[slot] for slot in range(nslots)]
         self.slot_rows = torch.tensor([f if j is None else row_base[f] + j for f, j in self.slot_source],
                                       dtype=torch.int64, device=device)
-        # every slot a whole feature, slots in feature order (a world of one, say): the batch is
-        # already its own send buffer
-        self.in_order = self.slot_source == [(i, None) for i in range(F)]
-        self.world = len(entries)
+        self.world, self.slot_base = len(entries), slot_base
         self.header_width = H = COUNTS + max(len(e) for e in entries)
         pos = [r * H + COUNTS + e for r in range(self.world) for e in range(len(entries[r]))]
         self.header_pos = torch.tensor(pos, dtype=torch.int64, device=device)
@@ -140,13 +137,14 @@ class Routing:
         header[self.header_pos] = lens.sum(1)
         return header, Routed(kjt, offsets, values, psw, rows, lens, B)
 
-    def send_buffers(self, routed: Routed, counts: list[int]) -> tuple[Tensor, Optional[Tensor]]:
-        """The ids and weights to send, slot after slot (`counts`: each slot's, from the header):
-        slices of the batch for whole features, of the sorted blocks for row-wise ones; one copy
-        (none when the batch is already in slot order)."""
-        values, psw = routed.values, routed.psw
-        if self.in_order:
-            return values, psw
+    def send_buffer(self, routed: Routed, counts: list[int]) -> tuple[Tensor, list[int]]:
+        """One int64 buffer to send and its size for each destination (`counts`: each slot's
+        ids, from the header). Destination d's part: its slots' lengths, then their ids, then
+        their weights' bits (fp32 as int32, widened; `unpack_weights` undoes it): slices of the
+        batch for whole features, of the sorted blocks for row-wise ones; one copy."""
+        values, psw, B = routed.values, routed.psw, routed.B
+        bits = None if psw is None else psw.view(torch.int32).long()
+        row_bits = None if psw is None or routed.rows is None else routed.rows[1].view(torch.int32).long()
         size = [0] * len(self.feature_names)  # each feature's ids (a row-wise one's: the sum of its shards')
         count = {}
         for (i, j), c in zip(self.slot_source, counts):
@@ -160,13 +158,24 @@ class Routing:
             for j in range(self.most_shards):
                 key_start[(i, j)] = at
                 at += count.get((i, j), 0)
-        ids, wts = [], []
-        for (i, j), c in zip(self.slot_source, counts):
+
+        def piece(i, j, c, weights):
             if j is None:
-                ids.append(values[starts[i]:starts[i] + c])
-                wts.append(None if psw is None else psw[starts[i]:starts[i] + c])
-            else:
-                a = key_start[(i, j)]
-                ids.append(routed.rows[0][a:a + c])
-                wts.append(None if psw is None else routed.rows[1][a:a + c])
-        return torch.cat(ids), None if psw is None else torch.cat(wts)
+                return (bits if weights else values)[starts[i]:starts[i] + c]
+            a = key_start[(i, j)]
+            return (row_bits if weights else routed.rows[0])[a:a + c]
+
+        parts, sizes = [], []
+        for d in range(self.world):
+            slots = range(self.slot_base[d], self.slot_base[d + 1])
+            parts.append(routed.lens[self.slot_base[d]:self.slot_base[d + 1]].reshape(-1))
+            parts += [piece(*self.slot_source[k], counts[k], False) for k in slots]
+            if psw is not None:
+                parts += [piece(*self.slot_source[k], counts[k], True) for k in slots]
+            sizes.append(len(slots) * B + (2 if psw is not None else 1) * sum(counts[k] for k in slots))
+        return torch.cat(parts), sizes
+
+
+def unpack_weights(bits: Tensor) -> Tensor:
+    """Weights sent by Routing.send_buffer (fp32 bits in int64) as fp32 again."""
+    return bits.int().view(torch.float32)

@@ -36,7 +36,7 @@ from embfuse.distributed.assembly import SideBySide, move_table
 from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
 from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
-from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing
+from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
 from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, divide_reference, pool_norm_reference, weight_term
@@ -222,8 +222,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def input_dist(self, features: KeyedJaggedTensor) -> "InputDist":
         """The request half of the input exchange: route, exchange the headers (the one host
-        read; a bad batch anywhere raises here, on every rank), start the lengths, ids and
-        weights all-to-alls, and return without waiting for them."""
+        read; a bad batch anywhere raises here, on every rank), start the one all-to-all of
+        lengths, ids and weights, and return without waiting for it."""
         W, H = self.world, self.routing.header_width
         error, routed = None, None
         try:
@@ -239,20 +239,17 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         statuses = [got_host[r][STATUS] for r in range(W)]
         if any(statuses):
             self._raise_everywhere(statuses, routed, error)
-        kjt, lens, B = routed.kjt, routed.lens, routed.B
+        kjt, B = routed.kjt, routed.B
         E = len(self.entries[self.rank])
         batches = [got_host[r][BATCH] for r in range(W)]
-        sent_counts = [sent_host[d][COUNTS:COUNTS + len(self.entries[d])] for d in range(W)]
-        send_ids = [sum(c) for c in sent_counts]
+        sent = [c for d in range(W) for c in sent_host[d][COUNTS:COUNTS + len(self.entries[d])]]
         recv_counts = [got_host[s][COUNTS:COUNTS + E] for s in range(W)]
-        recv_ids = [sum(c) for c in recv_counts]
-        ids, w = self.routing.send_buffers(routed, [c for counts in sent_counts for c in counts])
+        buf, send_sizes = self.routing.send_buffer(routed, sent)
+        per_id = 2 if self._is_weighted else 1
         with _timed(timer, "input", self.device):
-            rl, w1 = all_to_all(lens.reshape(-1), [len(self.entries[d]) * B for d in range(W)],
-                                [E * b for b in batches], self.group, async_op=True)
-            rv, w2 = all_to_all(ids, send_ids, recv_ids, self.group, async_op=True)
-            rw, w3 = all_to_all(w, send_ids, recv_ids, self.group, async_op=True) if w is not None else (None, None)
-        return InputDist(self, kjt, B, batches, recv_counts, rl, rv, rw, [x for x in (w1, w2, w3) if x is not None])
+            recv, work = all_to_all(buf, send_sizes, [E * b + per_id * sum(c) for b, c in zip(batches, recv_counts)],
+                                    self.group, async_op=True)
+        return InputDist(self, kjt, B, batches, recv_counts, recv, work)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Start `features`' input exchange now (TrainPipeline calls this for the next batch
@@ -280,8 +277,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         source's samples in rank order, this rank's pooled width (its fused optimizer steps in
         the backward). `embfuse bench --distributed` times it alone: the step without the
         exchanges."""
-        rl, rv, rw = incoming.wait()
-        return self._lookup(rl, rv, rw, incoming.batches, incoming.counts)
+        return self._lookup(incoming.wait(), incoming.batches, incoming.counts)
 
     def lookup_and_send(self, incoming: "InputDist") -> "OutputDist":
         """Wait for the input exchange, look up this rank's shards, and start sending the pooled
@@ -291,6 +287,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if torch.is_grad_enabled() and not pooled.requires_grad:
             pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
         handle = OutputDist(incoming.kjt, B)
+        if self.world == 1:  # nothing to send: the pooled rows are this rank's output
+            handle.recv = pooled.reshape(-1)
+            return handle
         handle.recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
                                            [B * self.widths[o] for o in range(self.world)], self.group,
                                            self.comm_timer, handle)
@@ -298,36 +297,41 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def output_wait(self, sent: "OutputDist") -> KeyedTensor:
         """Wait for the pooled rows of this rank's samples and assemble its KeyedTensor."""
-        with _timed(self.comm_timer, "output", self.device):
-            sent.work.wait()
+        if sent.work is not None:
+            with _timed(self.comm_timer, "output", self.device):
+                sent.work.wait()
         return KeyedTensor(self.feature_names, self._dims, self._assemble(sent.recv, sent.kjt, sent.B))
 
-    def _lookup(self, rl: Tensor, rv: Tensor, rw: Optional[Tensor], batches: list[int], counts: list[list[int]]):
-        """The local collection's pooled rows for every source's samples, sources in rank order."""
+    def _lookup(self, recv: Tensor, batches: list[int], counts: list[list[int]]):
+        """The local collection's pooled rows for every source's samples, sources in rank order.
+        `recv`: each source's part of the exchange (Routing.send_buffer) one after another."""
         total = sum(batches)
         if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
-        E, W = len(self.entries[self.rank]), self.world
+        E, W, weighted = len(self.entries[self.rank]), self.world, self._is_weighted
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
-        if W == 1:  # one source: what arrived is already feature-major
-            return self._pool(KeyedJaggedTensor(self.entries[self.rank], rv, rw, lengths=rl, stride=total,
-                                                length_per_key=per_key))
+        if W == 1:  # one source: its lengths, ids and weights are each one slice already
+            n, at = sum(counts[0]), E * total
+            return self._pool(KeyedJaggedTensor(self.entries[self.rank], recv[at:at + n],
+                                                unpack_weights(recv[at + n:at + 2 * n]) if weighted else None,
+                                                lengths=recv[:at], stride=total, length_per_key=per_key))
         lens, vals, wts = [], [], []
-        len_start = [0]
-        val_start = [0]
-        for s in range(W):
-            len_start.append(len_start[-1] + E * batches[s])
-            val_start.append(val_start[-1] + sum(counts[s]))
-        for e in range(E):
-            for s in range(W):
-                a = len_start[s] + e * batches[s]
-                lens.append(rl[a:a + batches[s]])
-                v = val_start[s] + sum(counts[s][:e])
-                vals.append(rv[v:v + counts[s][e]])
-                if rw is not None:
-                    wts.append(rw[v:v + counts[s][e]])
-        kjt = KeyedJaggedTensor(self.entries[self.rank], torch.cat(vals), torch.cat(wts) if rw is not None else None,
-                                lengths=torch.cat(lens), stride=total, length_per_key=per_key)
+        base = 0
+        for s in range(W):  # (source-major here; the lookup wants feature-major)
+            n = sum(counts[s])
+            at = base + E * batches[s]
+            lens.append([recv[base + e * batches[s]:base + (e + 1) * batches[s]] for e in range(E)])
+            vals.append([recv[at + sum(counts[s][:e]):at + sum(counts[s][:e + 1])] for e in range(E)])
+            if weighted:
+                wts.append([recv[at + n + sum(counts[s][:e]):at + n + sum(counts[s][:e + 1])] for e in range(E)])
+            base = at + (2 if weighted else 1) * n
+
+        def joined(parts):
+            return torch.cat([parts[s][e] for e in range(E) for s in range(W)])
+
+        kjt = KeyedJaggedTensor(self.entries[self.rank], joined(vals),
+                                unpack_weights(joined(wts)) if weighted else None, lengths=joined(lens),
+                                stride=total, length_per_key=per_key)
         return self._pool(kjt)
 
     def _pool(self, kjt: KeyedJaggedTensor) -> Tensor:
