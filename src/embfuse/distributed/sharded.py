@@ -11,15 +11,17 @@ Forward, on every rank, for its own batch of B samples:
    one host read of the forward: sizes for the next collectives, and every rank's status. If any
    rank's batch is bad, every rank raises that rank's error (the same text everywhere); nothing
    has been looked up or updated anywhere. The send buffer is then one copy of slices of the
-   batch (none when the batch is already in send order).
-3. Lengths, ids and weights go out in three asynchronous all-to-alls; each rank then looks up
-   what it received with its local collection (one launch, fused optimizer included): the
-   sources' samples one after another, so the bag order is the concatenated batch's.
+   batch: each destination's lengths, ids and weights (as fp32 bits) in one int64 part.
+3. It goes out in one asynchronous all-to-all; each rank then looks up what it received with
+   its local collection (one launch, fused optimizer included): the sources' samples one after
+   another, so the bag order is the concatenated batch's.
 4. The pooled rows go back by one all-to-all (PooledAllToAll, whose backward is the reverse),
    waited on only when the output is assembled (`forward` = `input_dist`, `lookup_and_send`,
    `output_wait`: embfuse.fx's overlap pass moves the requests early and the waits late);
-   the sample's rank concatenates column pieces and adds row-wise partial sums (in a fixed
-   order: deterministic), then divides row-wise mean / sqrtn features by the whole bag's norm.
+   the sample's rank moves column runs into place (assembly.py) or adds row-wise partial sums
+   (in a fixed order: deterministic), then divides row-wise mean / sqrtn features by the whole
+   bag's norm.
+A world of one runs no collective: everything sent would come back to itself.
 
 The backward carries gradients to the shards' owners; their local fused optimizers update in
 place. Every rank must call backward (as with DistributedDataParallel)."""
