@@ -95,6 +95,26 @@ def test_fused_optimizer_trains_like_torch_sgd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_collection_beside_others_in_a_cat_gets_its_own_gradient(device):
+    """Its output a column slice of the concatenation: its gradient is strided (a GPU kernel once
+    read it with the wrong row stride)."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables(), device=device)
+    other = EmbeddingBagCollection([EmbeddingBagConfig(7, 1, "ad", feature_names=["ad"])], device=device,
+                                   optimizer=SGD(lr=0.1))
+    kjt = random_kjt(["uid", "friend", "iid", "genres"], 5, device)
+    ad = KeyedJaggedTensor(["ad"], torch.tensor([1, 6, 0]), lengths=torch.tensor([1, 0, 2, 0, 0])).to(device)
+    gw = torch.randn(5, 3 + 19, dtype=torch.float64)
+    dense = torch.randn(5, 2, device=device)
+    (torch.cat([dense, other(ad).values(), ebc(kjt).values()], 1).double() * gw.to(device)).sum().backward()
+    ref = EmbeddingBagCollection([EmbeddingBagConfig(t.num_embeddings, t.embedding_dim, t.name, torch.float64,
+                                                     t.feature_names, pooling=t.pooling) for t in tables()])
+    ref.weights.data.copy_(ebc.weights.detach().cpu())
+    (ref(kjt.to("cpu")).values() * gw[:, 3:]).sum().backward()
+    assert_close(ebc.weights.grad, ref.weights.grad, torch.float32, reduction=10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_state_dict_has_torchrec_keys_and_round_trips(device):
     ebc = EmbeddingBagCollection(tables(), device=device, optimizer=RowWiseAdagrad(lr=0.1))
     ebc(random_kjt(["uid", "friend", "iid", "genres"], 4, device)).values().sum().backward()
