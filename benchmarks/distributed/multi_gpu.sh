@@ -3,8 +3,9 @@
 #   bash benchmarks/distributed/multi_gpu.sh N OUT [PART]
 # PART: "check" (every plan against the unsharded collection, a bad batch on one rank, a
 # checkpoint from every rank, TrainPipeline against the plain loop; then the step's phases),
-# "bench" (`embfuse bench --distributed` and the synthetic demo, on 1 GPU and on N), or both
-# when left out. Writes OUT/log.txt, OUT/bench-1, OUT/bench-N, OUT/demo-1, OUT/demo-N.
+# "bench" (`embfuse bench --distributed` and the synthetic demo, on 1 GPU and on N; on N also
+# with the pooled rows sent in bf16), or both when left out. Writes OUT/log.txt, OUT/bench-1,
+# OUT/bench-N, OUT/bench-N-bf16, OUT/demo-1, OUT/demo-N.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
 # of a copy without its git history.
 set -uo pipefail
@@ -36,6 +37,10 @@ if [ "$PART" != check ]; then
         run "embfuse bench --distributed, $w rank(s)" 200 torchrun --nproc_per_node="$w" --master_port 29603 \
             -m embfuse.cli bench --distributed --out "$OUT/bench-$w"
     done
+    if [ "$N" -gt 1 ]; then
+        run "embfuse bench --distributed --comm-dtype bf16, $N ranks" 200 torchrun --nproc_per_node="$N" \
+            --master_port 29603 -m embfuse.cli bench --distributed --comm-dtype bf16 --out "$OUT/bench-$N-bf16"
+    fi
     for w in $WORLDS; do
         run "embfuse demo --data synthetic, $w rank(s)" 150 torchrun --nproc_per_node="$w" --master_port 29604 \
             -m embfuse.cli demo --data synthetic --samples 400000 --rows 200000 --epochs 2 --batch-size 4096 \

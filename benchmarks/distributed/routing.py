@@ -117,11 +117,11 @@ def old_assembly():
 
 
 def new_assembly():
-    SideBySide.apply(recv, B, widths, moves, table).backward(g)
+    SideBySide.apply(recv, B, widths, moves, table, recv.dtype).backward(g)
     recv.grad = None
 
 
-a = SideBySide.apply(recv, B, widths, moves, table)
+a = SideBySide.apply(recv, B, widths, moves, table, recv.dtype)
 blocks = torch.split(recv, [B * w for w in widths])
 side = torch.cat([b.view(B, w) for b, w in zip(blocks, widths)], dim=1)
 assert torch.equal(a, side.index_select(1, index))

@@ -188,11 +188,13 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
 
     from embfuse.bench.distributed import measure, write
 
-    result = measure(args.batch_size, args.rows, args.dim, args.hotness, args.steps, args.warmup, args.device)
+    result = measure(args.batch_size, args.rows, args.dim, args.hotness, args.steps, args.warmup, args.device,
+                     comm_dtype=args.comm_dtype)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0
     t = Table(title=f"sharded step: {result['world_size']} rank(s), {result['backend']}, batch {args.batch_size} a "
-                    f"rank, 26 tables x {args.dim}, rows capped at {args.rows}")
+                    f"rank, 26 tables x {args.dim}, rows capped at {args.rows}"
+                    + ("" if args.comm_dtype == "table" else f", pooled rows sent as {args.comm_dtype}"))
     for c in ("rank", "device", "step (us)", "examples/s", "in collectives"):
         t.add_column(c, justify="right")
     for r in result["ranks"]:
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="--distributed: cap on each table's rows")
     p.add_argument("--dim", type=int, default=128, help="--distributed: embedding width")
     p.add_argument("--hotness", type=int, default=20, help="--distributed: mean ids a bag")
+    p.add_argument("--comm-dtype", choices=("table", "bf16", "fp16"), default="table",
+                   help="--distributed: the dtype pooled rows cross ranks in (default: the tables')")
     p.add_argument("--steps", type=int, default=20, help="--distributed: timed steps")
     p.add_argument("--warmup", type=int, default=5, help="--distributed: untimed steps first")
     p.set_defaults(func=bench)

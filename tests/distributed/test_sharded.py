@@ -149,6 +149,39 @@ def _mixed(world):
     return PLANS["mixed"] if world > 1 else PLANS["mixed_unplaced"]
 
 
+def _comm_dtype(rank, world):
+    """Pooled rows and their gradients crossing ranks in bf16: the unsharded numbers within one
+    bf16 rounding each way; ranks that disagree on it fail at shard."""
+    torch.manual_seed(5)
+    ebc = EmbeddingBagCollection(tables(), optimizer=SGD(lr=0.1))
+    ref = copy.deepcopy(ebc)
+    model = ed.shard(ebc, PLANS["mixed_unplaced"], comm_dtype=torch.bfloat16)
+    with torch.no_grad():
+        sent = model.lookup_and_send(model.input_dist(kjt_of(batch(rank, 0, False), False)))
+        assert sent.recv.dtype == torch.bfloat16  # (what crossed)
+        model.output_wait(sent)
+    for step in range(2):
+        batches = [batch(r, step, False) for r in range(world)]
+        out = model(kjt_of(batches[rank], False))
+        full = ref(kjt_of(concat(batches), False))
+        start = sum(3 + r for r in range(rank))
+        assert out.values().dtype == torch.float32
+        assert_close(out.values(), full.values()[start:start + 3 + rank], torch.bfloat16, reduction=8)
+        gw = [grad_weights(3 + r, full.values().shape[1], step, r) for r in range(world)]
+        (out.values() * gw[rank]).sum().backward()
+        (full.values() * torch.cat(gw)).sum().backward()
+    state, want = model.full_state_dict(), ref.state_dict()
+    for k in want:
+        assert_close(state[k], want[k], torch.bfloat16, reduction=8)
+    with pytest.raises(ValueError, match="comm_dtype is"):
+        ed.shard(EmbeddingBagCollection(tables()), PLANS["mixed_unplaced"],
+                 comm_dtype=torch.float16 if rank else torch.bfloat16)
+
+
+def test_pooled_rows_can_cross_ranks_in_bf16():
+    run_world(_comm_dtype, 2)
+
+
 def _errors(rank, world, device="cpu"):
     torch.manual_seed(5)
     ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1), device=device)

@@ -44,9 +44,13 @@ def _init(device: str) -> tuple[torch.device, bool]:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), made
 
 
+COMM_DTYPES = {"table": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: int, device: str = "auto",
-            plan=None) -> dict:
-    """Time the sharded step on every rank; returns every rank's figures (on every rank)."""
+            plan=None, comm_dtype: str = "table") -> dict:
+    """Time the sharded step on every rank; returns every rank's figures (on every rank).
+    `comm_dtype`: a COMM_DTYPES key, the dtype the pooled rows cross ranks in (shard's)."""
     dev, made = _init(device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -56,7 +60,7 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
         ebc = embfuse.EmbeddingBagCollection(
             [embfuse.EmbeddingBagConfig(r, dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
             device=dev, optimizer=RowWiseAdagrad(lr=0.01))
-        model = ed.shard(ebc, plan)
+        model = ed.shard(ebc, plan, comm_dtype=COMM_DTYPES[comm_dtype])
         batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
         timer = ed.CommTimer()
         model.comm_timer = timer
@@ -74,6 +78,7 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
         every = [None] * world
         dist.all_gather_object(every, mine)
         return {"world_size": world, "backend": dist.get_backend(), "batch_per_rank": batch, "rows": rows,
+                "comm_dtype": comm_dtype,
                 "dim": dim, "hotness": hotness, "steps": steps, "plan": str(model.plan), "ranks": every,
                 "examples_per_s_total": sum(r["examples_per_s"] for r in every),
                 "torch": torch.__version__, "commit": commit(),

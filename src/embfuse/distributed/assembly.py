@@ -33,14 +33,15 @@ def _move_columns_kernel(side, out, moves, B, total, TO_OUT: tl.constexpr, BLOCK
         c = d + tl.arange(0, BLOCK_D)[None, :]
         mask = (rows < B) & (c < width)
         if TO_OUT:
-            tl.store(out_at + c, tl.load(side_at + c, mask=mask), mask=mask)
+            tl.store(out_at + c, tl.load(side_at + c, mask=mask).to(out.dtype.element_ty), mask=mask)
         else:
-            tl.store(side_at + c, tl.load(out_at + c, mask=mask), mask=mask)
+            tl.store(side_at + c, tl.load(out_at + c, mask=mask).to(side.dtype.element_ty), mask=mask)
 
 
 def move_columns(side: Tensor, out: Tensor, moves: Tensor, B: int, widest: int, to_out: bool) -> None:
-    """One launch: `side`'s runs into `out` (B, total), contiguous, or back (`to_out` False).
-    `moves`: (M, 5) int64 on the device (module docstring); `widest`: the widest run."""
+    """One launch: `side`'s runs into `out` (B, total), contiguous, or back (`to_out` False),
+    cast to the destination's dtype. `moves`: (M, 5) int64 on the device (module docstring);
+    `widest`: the widest run."""
     M = moves.shape[0]
     if B == 0 or M == 0:
         return
@@ -76,16 +77,17 @@ def scatter_reference(grad: Tensor, B: int, widths: list[int], moves: list[tuple
 
 
 class SideBySide(torch.autograd.Function):
-    """`side` (the owners' rows, module docstring) -> the (B, total) output; backward the same
-    moves the other way. `moves`: [(rank, first column in its rows, width, output column)] in
-    output order; `moves_t`: move_table's device form of them."""
+    """`side` (the owners' rows, module docstring) -> the (B, total) output in `dtype`; backward
+    the same moves the other way, the gradient in side's dtype (the kernel casts as it stores).
+    `moves`: [(rank, first column in its rows, width, output column)] in output order;
+    `moves_t`: move_table's device form of them."""
 
     @staticmethod
-    def forward(ctx, side, B, widths, moves, moves_t):
-        ctx.B, ctx.widths, ctx.moves, ctx.moves_t = B, widths, moves, moves_t
+    def forward(ctx, side, B, widths, moves, moves_t, dtype):
+        ctx.B, ctx.widths, ctx.moves, ctx.moves_t, ctx.side_dtype = B, widths, moves, moves_t, side.dtype
         if not use_kernels(side):
-            return gather_reference(side, B, widths, moves)
-        out = side.new_empty(B, sum(w for _, _, w, _ in moves))
+            return gather_reference(side, B, widths, moves).to(dtype)
+        out = side.new_empty(B, sum(w for _, _, w, _ in moves), dtype=dtype)
         move_columns(side, out, moves_t, B, max(w for _, _, w, _ in moves), to_out=True)
         return out
 
@@ -93,8 +95,8 @@ class SideBySide(torch.autograd.Function):
     def backward(ctx, grad):
         B, widths, moves = ctx.B, ctx.widths, ctx.moves
         if not use_kernels(grad):
-            return scatter_reference(grad, B, widths, moves), None, None, None, None
+            return scatter_reference(grad.to(ctx.side_dtype), B, widths, moves), None, None, None, None, None
         grad = grad.contiguous()
-        side = grad.new_empty(B * sum(widths))
+        side = grad.new_empty(B * sum(widths), dtype=ctx.side_dtype)
         move_columns(side, grad, ctx.moves_t, B, max(w for _, _, w, _ in moves), to_out=False)
-        return side, None, None, None, None
+        return side, None, None, None, None, None

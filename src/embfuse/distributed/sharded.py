@@ -52,13 +52,17 @@ _ERRORS = {c.__name__: c for c in (errors.BadIdError, errors.BadBatchError, erro
 
 
 def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[dict[str, int]] = None,
-          memory_per_rank: Optional[int] = None) -> "ShardedEmbeddingBagCollection":
+          memory_per_rank: Optional[int] = None, comm_dtype: Optional[torch.dtype] = None
+          ) -> "ShardedEmbeddingBagCollection":
     """Shard `ebc` over the ranks of `group` (the default process group when None).
 
     `plan`: a ShardingPlan, or table name -> "table_wise" | "row_wise" | "column_wise" |
     ("table_wise", rank), tables left out chosen by planner.plan_shards's cost model (`lookups`,
-    `memory_per_rank` feed it). Every rank must pass the same tables, options and plan; the
-    tables start as rank 0's `ebc` (its weights and optimizer state)."""
+    `memory_per_rank` feed it). `comm_dtype` (torch.float16 or torch.bfloat16): the pooled rows
+    and their gradients cross ranks in it, rounded once each way (TorchRec's quantized comms):
+    half the bytes of fp32 tables; None sends the tables' dtype, exact. Every rank must pass the
+    same tables, options and plan; the tables start as rank 0's `ebc` (its weights and optimizer
+    state)."""
     world = dist.get_world_size(group)
     if any(getattr(t, "combiner", None) is not None for t in ebc.tables):
         raise NotImplementedError("tables with TensorFlow's combiner= cannot be sharded yet")
@@ -68,16 +72,16 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:
         raise ValueError(f"the plan is for {plan.world_size} ranks; the group has {world}")
-    return ShardedEmbeddingBagCollection(ebc, plan, group)
+    return ShardedEmbeddingBagCollection(ebc, plan, group, comm_dtype)
 
 
-def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan) -> dict:
+def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan, comm_dtype) -> dict:
     return {
         "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(table_dtype(t.data_type)), pooling_name(t.pooling),
                     list(t.feature_names)) for t in ebc.tables],
         "is_weighted": ebc.is_weighted(), "optimizer": repr(ebc.optimizer),
         "hot_rows": None if ebc._hot is None else (ebc._hot.k, ebc._hot.refresh, ebc._hot.min_values),
-        "plan": plan.describe(),
+        "plan": plan.describe(), "comm_dtype": str(comm_dtype),
     }
 
 
@@ -102,14 +106,17 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     unsharded collection would for these samples. `local` is this rank's collection of shards
     (None when the plan gives it none); `plan` says who holds what."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, plan: ShardingPlan, group=None):
+    def __init__(self, ebc: EmbeddingBagCollection, plan: ShardingPlan, group=None,
+                 comm_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        self.group, self.plan = group, plan
+        if comm_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"comm_dtype must be None, torch.float16 or torch.bfloat16, got {comm_dtype}")
+        self.group, self.plan, self.comm_dtype = group, plan, comm_dtype
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = ebc.weights.device
         if dist.get_backend(group) == "gloo" and self.device.type != "cpu":
             raise ValueError("gloo exchanges CPU tensors: shard a CPU collection on gloo, a CUDA one on nccl")
-        mine = _describe(ebc, plan)
+        mine = _describe(ebc, plan, comm_dtype)
         every = [None] * self.world
         dist.all_gather_object(every, mine, group=group)
         for r, theirs in enumerate(every):
@@ -292,6 +299,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if self.world == 1:  # nothing to send: the pooled rows are this rank's output
             handle.recv = pooled.reshape(-1)
             return handle
+        if self.comm_dtype is not None:
+            pooled = pooled.to(self.comm_dtype)  # (its backward casts the gradient that comes back)
         handle.recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
                                            [B * self.widths[o] for o in range(self.world)], self.group,
                                            self.comm_timer, handle)
@@ -385,26 +394,28 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _assemble(self, recv: Tensor, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """This rank's (B, sum of widths) output from what the owners sent: column selections of
         their pooled rows side by side (no scatter: each output column has one source a layer;
-        row-wise layers are added in shard order), divided by row-wise bags' norms."""
+        row-wise layers are added in shard order), divided by row-wise bags' norms; in the
+        tables' dtype (`recv` may have come in comm_dtype)."""
         index, identity, moves = self._columns()
+        dtype = self._dtype()
         if self.world == 1:
             side = recv.view(B, self.widths[0])
         elif moves is not None and not self._needs_norm:
-            return SideBySide.apply(recv, B, self.widths, *moves)
+            return SideBySide.apply(recv, B, self.widths, *moves, dtype)
         else:  # split, not slices: a slice's backward zero-fills the whole buffer
             blocks = torch.split(recv, [B * w for w in self.widths])
             side = torch.cat([b.view(B, w) for b, w in zip(blocks, self.widths)], dim=1)
         if identity and not self._needs_norm:
-            return side
+            return side.to(dtype)
         side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
         if index.shape[0] == 1 and not self._needs_norm:
-            return side.index_select(1, index[0])
+            return side.index_select(1, index[0]).to(dtype)
         out = side.index_select(1, index[0]).float()
         for layer in index[1:]:
             out = out + side.index_select(1, layer).float()
         if self._needs_norm:
             out = divide_reference(out, self._norms(kjt, B))  # (0 where wmean's weights sum to 0)
-        return out.to(recv.dtype)
+        return out.to(dtype)
 
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
