@@ -284,13 +284,54 @@ def test_a_rank_that_leaves_makes_the_others_time_out():
     run_world(_dead_rank, 2, timeout=5)
 
 
+def _shared_feature(rank, world):
+    """A feature looked up by two tables (outputs "a@t1" and "a@t2", TorchRec's names), the tables
+    sharded three ways: the unsharded collection's outputs and tables after SGD steps."""
+    def configs():
+        return [EmbeddingBagConfig(20, 4, "t1", feature_names=["a", "b"]),
+                EmbeddingBagConfig(10, 3, "t2", feature_names=["a"], pooling="mean"),
+                EmbeddingBagConfig(7, 2, "t3", feature_names=["c"])]
+
+    torch.manual_seed(3)
+    ebc = EmbeddingBagCollection(configs(), optimizer=SGD(lr=0.1))
+    ref = copy.deepcopy(ebc)
+    model = ed.shard(ebc, {"t1": "row_wise", "t2": "table_wise", "t3": "column_wise"})
+
+    def part(r, step):
+        g = torch.Generator().manual_seed(100 * step + r)
+        lengths = torch.randint(0, 4, (3 * (2 + r),), generator=g)
+        ids = torch.randint(0, 7, (int(lengths.sum()),), generator=g)  # (valid in every table)
+        return lengths, ids
+
+    for step in range(2):
+        parts = [part(r, step) for r in range(world)]
+        mine = KeyedJaggedTensor(["c", "a", "b"], parts[rank][1], lengths=parts[rank][0])  # (keys in any order)
+        out = model(mine)
+        alls = [KeyedJaggedTensor(["c", "a", "b"], ids, lengths=lengths).to_dict() for lengths, ids in parts]
+        full = ref(KeyedJaggedTensor.from_jt_dict({k: _cat_jts([d[k] for d in alls]) for k in ["a", "b", "c"]}))
+        assert out.keys() == full.keys() == ["a@t1", "b", "a@t2", "c"]
+        start = sum(2 + r for r in range(rank))
+        assert_close(out.values(), full.values()[start:start + 2 + rank], torch.float32, reduction=8)
+        out.values().square().sum().backward()
+        full.values().square().sum().backward()
+    state, want = model.full_state_dict(), ref.state_dict()
+    for k in want:
+        assert_close(state[k], want[k], torch.float32, reduction=8)
+
+
+def _cat_jts(jts):
+    from embfuse.sparse.jagged import JaggedTensor
+    return JaggedTensor(torch.cat([jt.values() for jt in jts]), lengths=torch.cat([jt.lengths() for jt in jts]))
+
+
+def test_a_feature_of_two_tables_is_sharded_as_two_slots():
+    run_world(_shared_feature, 2)
+
+
 def _refuses(rank, world):
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="mean")])
     with pytest.raises(NotImplementedError, match="combiner= cannot be sharded"):
         ed.shard(ebc)
-    with pytest.raises(NotImplementedError, match="several tables cannot be sharded"):
-        ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"]),
-                                         EmbeddingBagConfig(10, 4, "b", feature_names=["fa"])]))
     model = ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa", "fb"])]))
     vbe = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]),
                             stride_per_key_per_rank=[[2], [1]], inverse_indices=(["fa", "fb"], torch.zeros(2, 2)))
@@ -299,6 +340,5 @@ def _refuses(rank, world):
 
 
 def test_what_cannot_be_sharded_yet_is_refused():
-    """Tables with TensorFlow's combiner, a feature of two tables, and batches whose features
-    have their own batch sizes."""
+    """Tables with TensorFlow's combiner, and batches whose features have their own batch sizes."""
     run_world(_refuses, 1)

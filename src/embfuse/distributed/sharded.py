@@ -28,6 +28,7 @@ place. Every rank must call backward (as with DistributedDataParallel)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -66,8 +67,6 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
     world = dist.get_world_size(group)
     if any(getattr(t, "combiner", None) is not None for t in ebc.tables):
         raise NotImplementedError("tables with TensorFlow's combiner= cannot be sharded yet")
-    if ebc.embedding_names != ebc.feature_names:
-        raise NotImplementedError("a feature looked up by several tables cannot be sharded yet")
     if not isinstance(plan, ShardingPlan):
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:
@@ -129,7 +128,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         # whole row's squared gradient, summed across the pieces (see PieceUpdate)
         self._exact = {t.name for t in ebc.tables if rowwise_state and plan.types[t.name] == "column_wise"
                        and len(plan.shards[t.name]) > 1}
-        self.tables, self.feature_names, self._dims = list(ebc.tables), list(ebc.feature_names), list(ebc._dims)
+        # a feature looked up by several tables is one slot a table, named as the collection names
+        # its outputs (f"{feature}@{table}"): the shards see those names as their features
+        self._slots = None if ebc.embedding_names == ebc.feature_names else list(ebc._slots)
+        self.tables = [dataclasses.replace(t, feature_names=list(names)) for t, names in
+                       zip(ebc.tables, ebc._names_by_table)]
+        self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
         self._optimizer = ebc.optimizer
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
@@ -210,6 +214,20 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return self._is_weighted
 
     # ---- forward ----
+    def _slot_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch with one key a slot (a feature of several tables repeated, renamed)."""
+        if self._slots is None:
+            return kjt
+        missing = [f for f, _ in self._slots if f not in kjt.keys()]
+        if missing:
+            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
+        if kjt.variable_stride_per_key():
+            raise ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet")
+        kjt = kjt.unpad() if kjt._padded else kjt
+        kjt = kjt.permute([kjt.keys().index(f) for f, _ in self._slots])
+        return KeyedJaggedTensor([name for _, name in self._slots], kjt.values(), kjt.weights_or_none(),
+                                 lengths=kjt.lengths(), stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
+
     def _raise_everywhere(self, statuses: list[int], routed, error: Optional[BaseException]) -> None:
         """Every rank raises the error of the first rank whose batch is bad, with its text."""
         mine = None
@@ -236,7 +254,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         W, H = self.world, self.routing.header_width
         error, routed = None, None
         try:
-            header, routed = self.routing.route(features)
+            header, routed = self.routing.route(self._slot_batch(features))
         except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
             error = e
             header = torch.zeros(W * H, dtype=torch.int64, device=self.device)
