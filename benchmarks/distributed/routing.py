@@ -74,7 +74,7 @@ for label, spec in (("auto (table-wise)", None), ("two row-wise tables", {"t2": 
     shards = [plan.shards[f"t{i}"] for i in range(26)]
     kinds = [plan.types[f"t{i}"] for i in range(26)]
     rows = [c.num_embeddings for c in cfgs]
-    routing = Routing(names, shards, kinds, rows, entries, slot_base, False, dev)
+    routing = Routing(names, names, shards, kinds, rows, entries, slot_base, False, dev)
     H = routing.header_width
 
     def new():

@@ -40,11 +40,13 @@ class Routed:
 
 class Routing:
     """The host tables of the routing of one plan (`shards`, `kinds`: per feature, in
-    `feature_names` order; `entries[r]`: rank r's features, one slot each, from `slot_base[r]`)."""
+    `feature_names` order; `entries[r]`: rank r's features, one slot each, from `slot_base[r]`).
+    `sources`: the batch's key each feature reads; a feature of several tables is one feature a
+    table here, named as the collection names its outputs (f"{feature}@{table}")."""
 
-    def __init__(self, feature_names, shards, kinds, rows, entries, slot_base, is_weighted, device):
+    def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device):
         F, nslots = len(feature_names), slot_base[-1]
-        self.feature_names, self.is_weighted, self.device = feature_names, is_weighted, device
+        self.feature_names, self.sources, self.is_weighted, self.device = feature_names, sources, is_weighted, device
         self.limits = torch.tensor(rows, dtype=torch.int64, device=device)
         # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
         # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise
@@ -73,14 +75,18 @@ class Routing:
         self.header_pos = torch.tensor(pos, dtype=torch.int64, device=device)
 
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch unpadded, its keys in the collection's feature order."""
-        missing = [f for f in self.feature_names if f not in kjt.keys()]
+        """The batch unpadded, one key a feature, in the collection's feature order (a feature of
+        several tables repeated, under its output names)."""
+        missing = [f for f in self.sources if f not in kjt.keys()]
         if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
             raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
                    ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
         kjt = kjt.unpad() if kjt._padded else kjt  # (the exchange reads its sizes on the host anyway)
-        if kjt.keys() != self.feature_names:
-            kjt = kjt.permute([kjt.keys().index(f) for f in self.feature_names])
+        if kjt.keys() != self.sources:
+            kjt = kjt.permute([kjt.keys().index(f) for f in self.sources])
+        if self.sources != self.feature_names:
+            kjt = KeyedJaggedTensor(self.feature_names, kjt.values(), kjt.weights_or_none(), lengths=kjt.lengths(),
+                                    stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
         return kjt
 
     def route(self, kjt: KeyedJaggedTensor) -> tuple[Tensor, Routed]:

@@ -130,7 +130,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                        and len(plan.shards[t.name]) > 1}
         # a feature looked up by several tables is one slot a table, named as the collection names
         # its outputs (f"{feature}@{table}"): the shards see those names as their features
-        self._slots = None if ebc.embedding_names == ebc.feature_names else list(ebc._slots)
+        self._sources = [f for f, _ in ebc._slots]
         self.tables = [dataclasses.replace(t, feature_names=list(names)) for t, names in
                        zip(ebc.tables, ebc._names_by_table)]
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
@@ -200,8 +200,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         kinds = [self.plan.types[table_of[f].name] for f in self.feature_names]
         rows = [table_of[f].num_embeddings for f in self.feature_names]
         dev = self.device
-        self.routing = Routing(self.feature_names, shards, kinds, rows, self.entries, self.slot_base, self._is_weighted,
-                               dev)
+        self.routing = Routing(self.feature_names, self._sources, shards, kinds, rows, self.entries, self.slot_base,
+                               self._is_weighted, dev)
         self._shards, self._kinds = shards, kinds
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
         self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
@@ -214,20 +214,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         return self._is_weighted
 
     # ---- forward ----
-    def _slot_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch with one key a slot (a feature of several tables repeated, renamed)."""
-        if self._slots is None:
-            return kjt
-        missing = [f for f, _ in self._slots if f not in kjt.keys()]
-        if missing:
-            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
-        if kjt.variable_stride_per_key():
-            raise ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet")
-        kjt = kjt.unpad() if kjt._padded else kjt
-        kjt = kjt.permute([kjt.keys().index(f) for f, _ in self._slots])
-        return KeyedJaggedTensor([name for _, name in self._slots], kjt.values(), kjt.weights_or_none(),
-                                 lengths=kjt.lengths(), stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
-
     def _raise_everywhere(self, statuses: list[int], routed, error: Optional[BaseException]) -> None:
         """Every rank raises the error of the first rank whose batch is bad, with its text."""
         mine = None
@@ -254,7 +240,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         W, H = self.world, self.routing.header_width
         error, routed = None, None
         try:
-            header, routed = self.routing.route(self._slot_batch(features))
+            header, routed = self.routing.route(features)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
             error = e
             header = torch.zeros(W * H, dtype=torch.int64, device=self.device)
