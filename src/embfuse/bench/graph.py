@@ -8,8 +8,8 @@ five ways in one process:
 - compile + batch fusions: the same with Inductor's pre-grad batch fusions on;
 - optimize: `embfuse.fx.optimize(model, optimizer=embfuse.optim.SGD)` + torch.optim.SGD on the rest;
 - optimize + compile: that, compiled;
-- optimize + CUDA graph: that, its forward and step each captured in a CUDA graph and replayed
-  (batches of one structure: the bag lengths of the first, new ids each batch).
+- optimize + CUDA graph: that, its forward and step each captured in a CUDA graph by
+  `embfuse.fx.capture` and replayed on the same batches as the others (their bag lengths change).
 
 Per variant: the forward (no_grad) and the training step (forward, BCE loss, backward, update),
 milliseconds per call (median of alternating rounds, synchronised), and per call the CUDA
@@ -85,59 +85,30 @@ class _Variant:
 
 
 class _Graphed:
-    """`optimize`, its forward and its step each captured once in a CUDA graph, replayed on batches
-    of one structure (CUDA graphs replay fixed shapes): every batch here has the bag lengths of the
-    first, with its own ids (same generator). A call writes the ids into pinned memory on the host
-    (copy_all), copies them in one copy into the graph's static input buffer and replays."""
+    """`optimize`, its forward and its step each captured in a CUDA graph by `embfuse.fx.capture`
+    and replayed on the bench's own batches, whose bag lengths change from batch to batch (the ids
+    padded to the largest batch's count)."""
 
     def __init__(self, base: EagerModel, batches, lr: float):
         ids0, offsets0, _ = batches[0]
-        self.sizes = [m.num_embeddings for m in base.embs]
-        g = torch.Generator().manual_seed(7)
-        self.twins = {id(b): ([(torch.rand(i.numel(), generator=g) ** 2 * n).long().clamp_(max=n - 1)
-                               for n, i in zip(self.sizes, ids0)], b[2]) for b in batches}
         model = embfuse.fx.optimize(copy.deepcopy(base), (ids0, offsets0), optimizer=embfuse.optim.SGD(lr=lr))
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
-        device = batches[0][2].device
-        self.static = torch.empty(sum(i.numel() for i in ids0), dtype=torch.int64, device=device)
-        self.static_ids = [view for view, _ in end_to_end(self.static, ids0)]
-        self.static_offsets = [o.to(device) for o in offsets0]
-        self.static_target = batches[0][2].clone()
-        self._stage(batches[0])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(model)
-                with torch.no_grad():
-                    model(self.static_ids, self.static_offsets)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph_step, self.graph_forward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph_step):
-            self._step(model)
-        with torch.no_grad(), torch.cuda.graph(self.graph_forward):
-            self.out = model(self.static_ids, self.static_offsets)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        capacity = max(sum(i.numel() for i in b[0]) for b in batches)
 
-    def _step(self, model):
-        self.opt.zero_grad(set_to_none=True)
-        F.binary_cross_entropy_with_logits(model(self.static_ids, self.static_offsets), self.static_target).backward()
-        self.opt.step()
+        def step(m, ids, offsets, target):
+            opt.zero_grad(set_to_none=True)
+            F.binary_cross_entropy_with_logits(m(ids, offsets), target).backward()
+            opt.step()
 
-    def _stage(self, batch):
-        ids, target = self.twins[id(batch)]
-        host = Staging([(torch.int64, self.static.numel())]).host[0]
-        copy_all(end_to_end(host, ids))
-        self.static.copy_(host, non_blocking=True)
-        self.static_target.copy_(target, non_blocking=True)
+        self.graph_step = embfuse.fx.capture(model, batches[0], step, capacity=capacity)
+        with torch.no_grad():  # (the forward's graph: inference, the chain in the lookup's epilogue)
+            self.graph_forward = embfuse.fx.capture(model, (ids0, offsets0), capacity=capacity)
 
     def forward(self, batch):
-        self._stage(batch)
-        self.graph_forward.replay()
-        return self.out
+        return self.graph_forward(*batch[:2])
 
     def step(self, batch):
-        self._stage(batch)
-        self.graph_step.replay()
+        self.graph_step(*batch)
 
 
 def _time(fn, batches, calls: int) -> float:

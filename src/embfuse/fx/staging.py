@@ -82,16 +82,15 @@ class Staging:
             size = numel * dtype.itemsize
             self._layout.append((start, size, dtype))
             start += size
-        self._buffer = torch.empty(start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        self.host = [self._view(self._buffer, *part) for part in self._layout]
+        self.buffer = torch.empty(start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.host = self.views(self.buffer)
 
-    @staticmethod
-    def _view(buffer: Tensor, start: int, size: int, dtype: torch.dtype) -> Tensor:
-        return buffer[start:start + size].view(dtype)
+    def views(self, buffer: Tensor) -> list[Tensor]:
+        """The parts' 1-D views of `buffer` (this buffer, or a copy of it anywhere)."""
+        return [buffer[start:start + size].view(dtype) for start, size, dtype in self._layout]
 
     def to(self, device) -> list[Tensor]:
-        moved = self._buffer.to(device, non_blocking=True)
-        return [self._view(moved, *part) for part in self._layout]
+        return self.views(self.buffer.to(device, non_blocking=True))
 
 
 def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:

@@ -186,9 +186,17 @@ class PooledChain(torch.nn.Module):
     def forward(self, ids: tuple, offsets: tuple, weights: tuple) -> torch.Tensor:
         if torch.is_grad_enabled():
             return self.chain(self.batch(ids, offsets, weights))
+        return self._epilogue(self.batch.features(ids, offsets, weights))
+
+    def lookup_staged(self, values, offsets, weights, B: int) -> torch.Tensor:
+        """forward for a batch staged on the device (LookupBatch.lookup_staged)."""
+        if torch.is_grad_enabled():
+            return self.chain(self.batch.lookup_staged(values, offsets, weights, B))
+        return self._epilogue(self.batch.staged_features(values, offsets, weights, B))
+
+    def _epilogue(self, kjt) -> torch.Tensor:
         eps, act = _one_op(self.chain.ops)
-        return self.batch.collection.forward_layer_norm(self.batch.features(ids, offsets, weights),
-                                                        getattr(self.chain, "weight_0", None),
+        return self.batch.collection.forward_layer_norm(kjt, getattr(self.chain, "weight_0", None),
                                                         getattr(self.chain, "bias_0", None), eps, act)
 
 

@@ -30,6 +30,7 @@ from embfuse.fx.views import TableView, hide_shown
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse.ops.errors import BadBatchError
 from embfuse.sparse.jagged import KeyedJaggedTensor
+from embfuse.sparse.padded import PaddedKeyedJaggedTensor
 
 MOVES = ("to", "cuda")
 CATS = (torch.cat, torch.concat, torch.concatenate)
@@ -109,6 +110,15 @@ class LookupBatch(_Batch):
             values, offs, psw = _on_device(ids, offsets, weights if self.weighted else None, B, device)
         return KeyedJaggedTensor(self.names, values, psw, offsets=offs, stride=B)
 
+    def lookup_staged(self, values: Tensor, offsets: Tensor, weights: Tensor | None, B: int) -> Tensor:
+        """forward for a batch already staged on the collection's device (write_staged's layout),
+        its values padded past offsets[-1]: fixed shapes for a CUDA graph (fx/capture.py)."""
+        return self.collection(self.staged_features(values, offsets, weights, B)).values()
+
+    def staged_features(self, values: Tensor, offsets: Tensor, weights: Tensor | None, B: int) -> KeyedJaggedTensor:
+        return PaddedKeyedJaggedTensor(self.names, values, weights if self.weighted else None, offsets=offsets,
+                                       stride=B)
+
 
 class EmbeddingBatch(_Batch):
     """Plain lookups of several features, one table each (one width), as one EmbeddingCollection
@@ -181,23 +191,30 @@ def _stage(names, ids, offsets, weights, B, device):
     """Host inputs: values, global offsets and weights written into one (pinned) buffer, checked
     on the host (no device read: the data is here), copied once to a GPU: [values, offsets] and
     the weights if any."""
-    dtype, bases, N = _index_dtype(ids, offsets), _bases(ids), len(ids)
-    parts = [(dtype, bases[-1]), (dtype, N * B + 1)]
+    dtype, n, N = _index_dtype(ids, offsets), sum(i.numel() for i in ids), len(ids)
+    parts = [(dtype, n), (dtype, N * B + 1)]
     if weights is not None:
-        parts.append((weights[0].dtype, bases[-1]))
+        parts.append((weights[0].dtype, n))
     staging = Staging(parts)
-    values, offs = staging.host[0], staging.host[1]
-    pairs = end_to_end(values, ids) + (end_to_end(staging.host[2], weights) if weights is not None else [])
+    write_staged(names, ids, offsets, weights, B, *staging.host)
+    return staging.to(device)
+
+
+def write_staged(names, ids, offsets, weights, B, values: Tensor, offs: Tensor, psw: Tensor | None = None) -> None:
+    """Write a batch's host inputs into host buffers: the ids end to end at the start of
+    `values` (which may be longer: padding), the N * B + 1 global offsets into `offs` (checked
+    against torch's rules, BadBatchError), the weights, if any, end to end into `psw`."""
+    bases, N = _bases(ids), len(ids)
+    pairs = end_to_end(values, ids) + (end_to_end(psw, weights) if weights is not None else [])
     grid = offs[:N * B].view(N, B)
 
     def global_offsets():  # beside the copies of the ids
-        torch.stack([_local_offsets(i, o, dtype) for i, o in zip(ids, offsets)], out=grid)
+        torch.stack([_local_offsets(i, o, offs.dtype) for i, o in zip(ids, offsets)], out=grid)
         _check_offsets(names, grid, bases)
-        grid.add_(torch.tensor(bases[:-1], dtype=dtype).view(N, 1))
+        grid.add_(torch.tensor(bases[:-1], dtype=offs.dtype).view(N, 1))
         offs[-1] = bases[-1]
 
     copy_all(pairs, global_offsets)
-    return staging.to(device)
 
 
 @torch.library.custom_op("embfuse::stage_bags", mutates_args=())
@@ -392,4 +409,4 @@ def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.
             graph.erase_node(piece)
 
 
-__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable"]
+__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable", "write_staged"]

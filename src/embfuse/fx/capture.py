@@ -1,0 +1,272 @@
+"""CUDA graphs for an optimized model whose batches change shape: `embfuse.fx.capture`.
+
+A CUDA graph replays fixed shapes at fixed addresses, and no Python runs at a replay. An
+optimized model (fx/optimize.py) takes host tensors: each LookupBatch writes its features' ids,
+offsets and weights into one pinned buffer and copies it once, and `copy_to_device` moves the
+other host inputs the same way. `capture(model, example_inputs, step)` keeps that host work out
+of the graph and the device work in it:
+
+- every node that brings host inputs to the device (a LookupBatch, a copy_to_device) reads a
+  fixed region of one static device buffer. A LookupBatch's ids (and weights) get `capacity`
+  entries: the batch's values, then padding that no bag holds (sparse/padded.py). Batches of any
+  bag lengths then share one shape, and one graph replays them all;
+- a call writes its batch into one of two pinned host buffers (the ids end to end, the offsets
+  made global and checked, as the model does eagerly), copies that buffer into the static one
+  with one non-blocking copy, and replays. With two buffers the host writes batch i + 1 while
+  the GPU still runs batch i;
+- what is captured is `step(model, *inputs, *extras)` (default: the model's forward), such as
+  forward, loss, backward and optimizer steps. Arguments past the model's own (a target, say)
+  keep their example's shapes and dtypes; their tensors are copied into static tensors as well.
+
+The returned outputs are the graph's static tensors: the next call overwrites them. A batch
+that exceeds the capacity, has another batch size or a wider id dtype, or has bad offsets
+raises at the call, from host data, before anything is copied. A bad id is found on the device
+by the graph's own check and raised by the next call (or `embfuse.check_errors()`). That batch
+changes no table or optimizer state (ops/deferred.py). Captured fused optimizers must keep their
+hyper-parameters fixed (capturing Adam raises; see optim/lookup.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx
+from torch import Tensor
+
+from embfuse.fx.passes.horizontal import PooledChain
+from embfuse.fx.passes.lookups import EmbeddingBatch, LookupBatch, _batch_size, _index_dtype, write_staged
+from embfuse.fx.staging import Staging, copy_to_device
+from embfuse.ops.deferred import device_log
+
+
+class _Bags:
+    """A LookupBatch (or PooledChain) node's part of the buffer: values and weights of `capacity`
+    entries, the N * B + 1 global offsets."""
+
+    def __init__(self, node: torch.fx.Node, lookup, ids, offsets, weights, capacity: Optional[int]):
+        self.node, self.lookup = node, lookup
+        batch = self.batch = lookup if isinstance(lookup, LookupBatch) else lookup.batch
+        self.B = _batch_size(batch.names, ids, offsets)
+        self.dtype = _index_dtype(ids, offsets)
+        n = sum(i.numel() for i in ids)
+        self.capacity = n if capacity is None else capacity
+        if self.capacity < n:
+            raise ValueError(f"capacity {self.capacity} is smaller than the example batch's {n} ids ({node.target})")
+        self.weight_dtype = weights[0].dtype if batch.weighted else None
+        self.parts = [(self.dtype, self.capacity), (self.dtype, len(ids) * self.B + 1)]
+        if batch.weighted:
+            self.parts.append((self.weight_dtype, self.capacity))
+
+    def write(self, views: list[Tensor], ids, offsets, weights) -> None:
+        name = self.node.target
+        B = _batch_size(self.batch.names, ids, offsets)
+        if B != self.B:
+            raise ValueError(f"{name}: this batch has {B} samples, the captured graph {self.B}")
+        if _index_dtype(ids, offsets).itemsize > self.dtype.itemsize:
+            raise TypeError(f"{name}: this batch's ids or offsets are int64, the captured graph's int32")
+        n = sum(i.numel() for i in ids)
+        if n > self.capacity:
+            raise ValueError(f"{name}: this batch has {n} ids, past the captured capacity {self.capacity}")
+        if self.batch.weighted and any(w.dtype != self.weight_dtype for w in weights):
+            raise TypeError(f"{name}: per_sample_weights must be {self.weight_dtype}, as when captured")
+        write_staged(self.batch.names, ids, offsets, weights if self.batch.weighted else None, B, *views)
+
+    def run(self, views: list[Tensor]) -> Tensor:
+        values, offsets, *weights = views
+        return self.lookup.lookup_staged(values, offsets, weights[0] if weights else None, self.B)
+
+
+class _Copies:
+    """A copy_to_device node's part of the buffer: one part a tensor, of the example's shape."""
+
+    def __init__(self, node: torch.fx.Node, tensors):
+        self.node = node
+        for t in tensors:
+            if t.device.type != "cpu" or t.requires_grad:
+                raise ValueError(f"{node.name}: capture stages host tensors that need no grad; got one on "
+                                 f"{t.device} (requires_grad={t.requires_grad})")
+        self.shapes = [(t.shape, t.dtype) for t in tensors]
+        self.parts = [(t.dtype, t.numel()) for t in tensors]
+
+    def write(self, views: list[Tensor], tensors, device) -> None:
+        for view, t, (shape, dtype) in zip(views, tensors, self.shapes):
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+            view.copy_(t.reshape(-1))
+
+    def run(self, views: list[Tensor]) -> tuple:
+        return tuple(v.view(shape) for v, (shape, _) in zip(views, self.shapes))
+
+
+class _Static(torch.fx.Interpreter):
+    """The model with each staging node reading its part of the static buffer."""
+
+    def __init__(self, gm: torch.fx.GraphModule, static: dict):
+        super().__init__(gm)
+        self.static = static
+
+    def run_node(self, n: torch.fx.Node):
+        run = self.static.get(n)
+        return run() if run is not None else super().run_node(n)
+
+
+class CapturedStep:
+    """`step(model, *inputs)` captured once in a CUDA graph (module docstring); calling it with a
+    new batch writes the batch into the graph's input buffer and replays. `graph=False` (and any
+    model on the CPU) runs the same staged step eagerly at each call instead: the same inputs and
+    outputs, no graph."""
+
+    def __init__(self, model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,
+                 capacity: Optional[int] = None, graph: bool = True, warmup: int = 2):
+        if not isinstance(model, torch.fx.GraphModule):
+            raise TypeError(f"capture takes a model made by embfuse.fx.optimize (a GraphModule), got "
+                            f"{type(model).__name__}")
+        self.model, self.step = model, step if step is not None else (lambda m, *a: m(*a))
+        self.n_inputs = len(inspect.signature(model.forward).parameters)
+        example_inputs = tuple(example_inputs)
+        inputs, extras = example_inputs[:self.n_inputs], example_inputs[self.n_inputs:]
+        self.placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
+        env = self._env(inputs)
+        self.stagers = []
+        for node in model.graph.nodes:
+            target = model.get_submodule(node.target) if node.op == "call_module" else None
+            if isinstance(target, (LookupBatch, PooledChain)):
+                self.stagers.append(_Bags(node, target, *self._args(node, env), capacity))
+            elif isinstance(target, EmbeddingBatch):
+                raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which "
+                                 f"a CUDA graph cannot replay")
+            elif node.op == "call_function" and node.target is copy_to_device:
+                self.stagers.append(_Copies(node, self._args(node, env)[0]))
+        staged = {s.node for s in self.stagers}
+        for s in self.stagers:
+            device = s.node.args[1] if isinstance(s, _Copies) else None
+            computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
+            if computed:
+                raise ValueError(f"{s.node.name} reads {computed}, computed inside the model: capture stages the "
+                                 f"model's own inputs only")
+        for p in self.placeholders:
+            others = [u.name for u in p.users if u not in staged]
+            if isinstance(env[p], Tensor) and others:
+                raise ValueError(f"input {p.name!r} is also read by {others}, not only by the batched lookups and "
+                                 f"host-to-device copies: a CUDA graph would replay its first value")
+        self.device = self._device()
+        self.graph = graph and self.device.type == "cuda"
+        # the layout: every stager's parts, then the host tensors among the extras
+        self.extras = list(extras)
+        self.host_extras = [i for i, e in enumerate(extras) if isinstance(e, Tensor) and e.device.type == "cpu"]
+        parts = [p for s in self.stagers for p in s.parts] + [(extras[i].dtype, extras[i].numel())
+                                                                 for i in self.host_extras]
+        self.pinned = [Staging(parts) for _ in range(2 if self.graph else 1)]
+        self.events = [torch.cuda.Event() if self.graph else None for _ in self.pinned]
+        self.turn = 0
+        self.buffer = torch.empty_like(self.pinned[0].buffer, device=self.device)
+        views = self.pinned[0].views(self.buffer)
+        static, at = {}, 0
+        for s in self.stagers:
+            mine = views[at:at + len(s.parts)]
+            static[s.node] = lambda s=s, mine=mine: s.run(mine)
+            at += len(s.parts)
+        # host extras come over in the buffer; device ones get a tensor of their own
+        self.static_extras = list(extras)
+        for j, i in enumerate(self.host_extras):
+            self.static_extras[i] = views[at + j].view(extras[i].shape)
+        for i, e in enumerate(extras):
+            if isinstance(e, Tensor) and i not in self.host_extras:
+                self.static_extras[i] = torch.empty_like(e)
+        self.interpreter = _Static(model, static)
+        self.outputs = None
+        self._stage(example_inputs)
+        if self.graph:
+            self._capture(inputs, warmup)
+
+    def _env(self, inputs) -> dict:
+        return dict(zip(self.placeholders, self.model.graph.process_inputs(*inputs)))
+
+    @staticmethod
+    def _args(node: torch.fx.Node, env: dict) -> tuple:
+        return torch.fx.node.map_arg(node.args, env.get)  # (a device node: None)
+
+    def _device(self) -> torch.device:
+        for s in self.stagers:
+            if isinstance(s, _Bags):
+                return s.batch.collection.weights.device
+        for s in self.stagers:  # (a device given as `tensor.device` is a node: the parameters' device then)
+            device = s.node.args[1]
+            if not isinstance(device, torch.fx.Node):
+                return torch.device(device)
+            return next(self.model.parameters()).device
+        raise ValueError("the model has no batched lookups or host-to-device copies to stage: capture it with "
+                         "torch.cuda.graph directly")
+
+    def _stage(self, args) -> None:
+        """Write the batch into the next pinned buffer and copy it into the static one."""
+        if len(args) != self.n_inputs + len(self.extras):
+            raise TypeError(f"captured for {self.n_inputs} model inputs and {len(self.extras)} extras, got "
+                            f"{len(args)} arguments")
+        inputs, extras = args[:self.n_inputs], args[self.n_inputs:]
+        for i, (e, was) in enumerate(zip(extras, self.extras)):
+            if isinstance(was, Tensor) and not (isinstance(e, Tensor) and e.shape == was.shape and e.dtype == was.dtype
+                                                and e.device == was.device):
+                got = f"{e.dtype} {tuple(e.shape)} on {e.device}" if isinstance(e, Tensor) else type(e).__name__
+                raise ValueError(f"argument {self.n_inputs + i}: captured for {was.dtype} {tuple(was.shape)} on "
+                                 f"{was.device}, got {got}")
+        env = self._env(inputs)
+        k = self.turn
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # the copy that last read this pinned buffer is done
+        views, at = self.pinned[k].host, 0
+        for s in self.stagers:
+            s.write(views[at:at + len(s.parts)], *self._args(s.node, env))
+            at += len(s.parts)
+        for j, i in enumerate(self.host_extras):
+            views[at + j].copy_(extras[i].reshape(-1))
+        self.buffer.copy_(self.pinned[k].buffer, non_blocking=True)
+        for i, e in enumerate(extras):
+            if isinstance(e, Tensor) and i not in self.host_extras:
+                self.static_extras[i].copy_(e, non_blocking=True)
+        if self.events[k] is not None:
+            self.events[k].record()
+        self.turn = (k + 1) % len(self.pinned)
+
+    def _run(self, inputs):
+        """The step with the staging nodes reading the static buffer (model.forward swapped for
+        the interpreter while it runs)."""
+        self.model.forward = lambda *args: self.interpreter.run(*args)
+        try:
+            return self.step(self.model, *inputs, *self.static_extras)
+        finally:
+            del self.model.forward
+
+    def _capture(self, inputs, warmup: int) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._run(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.cuda_graph):
+            self.outputs = self._run(inputs)
+        self.inputs = inputs  # (what the captured staging nodes were given: kept alive with the graph)
+
+    def __call__(self, *args):
+        device_log(self.device).poll()  # errors that earlier replays found
+        self._stage(args)
+        if not self.graph:
+            return self._run(args[:self.n_inputs])
+        self.cuda_graph.replay()
+        return self.outputs
+
+
+def capture(model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,
+            capacity: Optional[int] = None, graph: bool = True, warmup: int = 2) -> CapturedStep:
+    """`step(model, *example_inputs)` (default: `model(*example_inputs)`) captured in a CUDA graph
+    that replays batches of any bag lengths up to `capacity` ids a lookup batch (default: the
+    example's count). Call the result with each batch in place of the step (module docstring)."""
+    return CapturedStep(model, example_inputs, step, capacity=capacity, graph=graph, warmup=warmup)
+
+
+__all__ = ["CapturedStep", "capture"]
