@@ -39,9 +39,10 @@ def _step(opt):
 
 
 def _pair(base, example, lr=0.1):
-    """Two optimized copies of `base` (fused SGD on the tables) and a torch SGD for each."""
+    """Two optimized copies of `base` (fused SGD on the tables) and a torch SGD with momentum for each
+    (state made at its first step: the capture's warm-up must not keep it)."""
     models = [embfuse.fx.optimize(copy.deepcopy(base), example, optimizer=embfuse.optim.SGD(lr=lr)) for _ in range(2)]
-    return [(m, torch.optim.SGD(m.parameters(), lr=lr)) for m in models]
+    return [(m, torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)) for m in models]
 
 
 def _tol(device):
@@ -60,7 +61,7 @@ def test_forward_and_training_steps_match_the_model_called_batch_by_batch(device
     with torch.no_grad():
         for ids, offsets, _ in batches:
             torch.testing.assert_close(forward(ids, offsets), plain(ids, offsets), **_tol(device))
-    train = embfuse.fx.capture(fast, target_on[0], _step(opt), capacity=capacity)
+    train = embfuse.fx.capture(fast, target_on[0], _step(opt), capacity=capacity, optimizers=[opt])
     for ids, offsets, target in target_on:
         loss = train(ids, offsets, target)
         torch.testing.assert_close(loss, _step(plain_opt)(plain, ids, offsets, target), **_tol(device))
@@ -78,9 +79,10 @@ def test_weighted_features_and_a_host_dense_input_take_their_parts_of_the_buffer
     (fast, opt), (plain, plain_opt) = _pair(base, batches[0][:4])
     assert sum(isinstance(m, embfuse.fx.passes.LookupBatch) for m in fast.modules()) == 2  # weighted, not
     capacity = max(sum(i.numel() for i in b[0]) for b in batches)
-    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=capacity)  # the target: a host extra
+    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=capacity, optimizers=[opt])  # host target
     for batch in batches:
-        torch.testing.assert_close(train(*batch), _step(plain_opt)(plain, *batch), **_tol(device))
+        torch.testing.assert_close(train(*batch), _step(plain_opt)(plain, *batch[:-1], batch[-1].to(device)),
+                                   **_tol(device))
     for (name, a), b in zip(fast.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name, **_tol(device))
 
@@ -91,7 +93,7 @@ def test_what_a_graph_cannot_replay_is_refused_at_the_call_and_changes_nothing(d
     batches = _batches(SIZES, 2, B=6, L=3)
     (fast, opt), _ = _pair(base, batches[0][:2])
     n = sum(i.numel() for i in batches[0][0])
-    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=n)
+    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=n, optimizers=[opt])
     before = {k: v.clone() for k, v in fast.state_dict().items()}
     ids, offsets, target = batches[0]
     more = [torch.cat([i, i.new_zeros(1)]) for i in ids]
@@ -147,7 +149,7 @@ def test_a_bad_id_is_reported_and_its_batch_changes_no_table(device):
     batches = _batches(SIZES, 3, B=6, L=3)
     (fast, opt), _ = _pair(base, batches[0][:2])
     capacity = max(sum(i.numel() for i in b[0]) for b in batches)
-    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=capacity)
+    train = embfuse.fx.capture(fast, batches[0], _step(opt), capacity=capacity, optimizers=[opt])
     train(*batches[0])
     weights = next(m for m in fast.modules() if isinstance(m, embfuse.fx.passes.LookupBatch)).collection.weights
     tables = weights.detach().clone()

@@ -100,7 +100,7 @@ class _Graphed:
             F.binary_cross_entropy_with_logits(m(ids, offsets), target).backward()
             opt.step()
 
-        self.graph_step = embfuse.fx.capture(model, batches[0], step, capacity=capacity)
+        self.graph_step = embfuse.fx.capture(model, batches[0], step, capacity=capacity, optimizers=[opt])
         with torch.no_grad():  # (the forward's graph: inference, the chain in the lookup's epilogue)
             self.graph_forward = embfuse.fx.capture(model, (ids0, offsets0), capacity=capacity)
 

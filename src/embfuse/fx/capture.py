@@ -17,18 +17,25 @@ of the graph and the device work in it:
 - what is captured is `step(model, *inputs, *extras)` (default: the model's forward), such as
   forward, loss, backward and optimizer steps. Arguments past the model's own (a target, say)
   keep their example's shapes and dtypes; their tensors are copied into static tensors as well.
+  Capturing runs the step `warmup` times on the example first (CUDA graphs need a warm-up on a
+  side stream) and then puts back what those steps changed: the model's parameters and buffers,
+  its fused optimizers' state and step counts, and the state of the torch optimizers named
+  (state they made during the warm-up, such as momentum, is zeroed: what a fresh one starts from).
 
 The returned outputs are the graph's static tensors: the next call overwrites them. A batch
 that exceeds the capacity, has another batch size or a wider id dtype, or has bad offsets
 raises at the call, from host data, before anything is copied. A bad id is found on the device
 by the graph's own check and raised by the next call (or `embfuse.check_errors()`). That batch
-changes no table or optimizer state (ops/deferred.py). Captured fused optimizers must keep their
-hyper-parameters fixed (capturing Adam raises; see optim/lookup.py).
+changes no table or optimizer state (ops/deferred.py), though it still counts in the fused
+optimizers' step counts, which a call advances on the host by what the captured step counted.
+Captured fused optimizers must keep their hyper-parameters fixed (capturing Adam raises; see
+optim/lookup.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -120,7 +127,7 @@ class CapturedStep:
     outputs, no graph."""
 
     def __init__(self, model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,
-                 capacity: Optional[int] = None, graph: bool = True, warmup: int = 2):
+                 capacity: Optional[int] = None, optimizers: Sequence = (), graph: bool = True, warmup: int = 2):
         if not isinstance(model, torch.fx.GraphModule):
             raise TypeError(f"capture takes a model made by embfuse.fx.optimize (a GraphModule), got "
                             f"{type(model).__name__}")
@@ -180,7 +187,7 @@ class CapturedStep:
         self.outputs = None
         self._stage(example_inputs)
         if self.graph:
-            self._capture(inputs, warmup)
+            self._capture(inputs, warmup, optimizers)
 
     def _env(self, inputs) -> dict:
         return dict(zip(self.placeholders, self.model.graph.process_inputs(*inputs)))
@@ -240,16 +247,39 @@ class CapturedStep:
         finally:
             del self.model.forward
 
-    def _capture(self, inputs, warmup: int) -> None:
+    def _capture(self, inputs, warmup: int, optimizers: Sequence) -> None:
+        # the warm-up runs the step for real (a capture records without running): its effects
+        # on the model and the optimizers are put back afterwards, in place (the graph holds
+        # those tensors), so that the first call makes the first step
+        tensors = [t for t in itertools.chain(self.model.parameters(), self.model.buffers(),
+                                               *(_state_tensors(o) for o in optimizers))]
+        saved = [t.detach().clone() for t in tensors]
+        fused = [m._fused for m in self.model.modules() if getattr(m, "_fused", None) is not None]
+        steps = [f.step for f in fused]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 self._run(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        known = {id(t) for t in tensors}
+        with torch.no_grad():
+            for t, was in zip(tensors, saved):
+                t.copy_(was)
+            for o in optimizers:  # state the warm-up made (momentum, say): as a fresh optimizer's, zeros
+                for t in _state_tensors(o):
+                    if id(t) not in known:
+                        t.zero_()
+        for f, step in zip(fused, steps):
+            f.step = step
         self.cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.cuda_graph):
             self.outputs = self._run(inputs)
+        # a replay runs no Python: the fused optimizers' step counts advance here, by what the
+        # captured step counted
+        self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
+        for f, step in zip(fused, steps):
+            f.step = step
         self.inputs = inputs  # (what the captured staging nodes were given: kept alive with the graph)
 
     def __call__(self, *args):
@@ -258,15 +288,25 @@ class CapturedStep:
         if not self.graph:
             return self._run(args[:self.n_inputs])
         self.cuda_graph.replay()
+        for f, counted in self.fused_steps:
+            f.step += counted
         return self.outputs
 
 
 def capture(model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,
-            capacity: Optional[int] = None, graph: bool = True, warmup: int = 2) -> CapturedStep:
+            capacity: Optional[int] = None, optimizers: Sequence = (), graph: bool = True,
+            warmup: int = 2) -> CapturedStep:
     """`step(model, *example_inputs)` (default: `model(*example_inputs)`) captured in a CUDA graph
     that replays batches of any bag lengths up to `capacity` ids a lookup batch (default: the
-    example's count). Call the result with each batch in place of the step (module docstring)."""
-    return CapturedStep(model, example_inputs, step, capacity=capacity, graph=graph, warmup=warmup)
+    example's count). Call the result with each batch in place of the step (module docstring).
+    `optimizers`: the torch optimizers `step` uses, whose state the warm-up steps must not keep
+    (the model's parameters, buffers and fused optimizers are put back in any case)."""
+    return CapturedStep(model, example_inputs, step, capacity=capacity, optimizers=optimizers, graph=graph,
+                        warmup=warmup)
+
+
+def _state_tensors(optimizer) -> list[Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
 
 
 __all__ = ["CapturedStep", "capture"]
