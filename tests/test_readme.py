@@ -36,6 +36,7 @@ def test_readme_examples_run_and_say_what_is_true():
     assert any(line.startswith("batched 3") for line in fast.embfuse_report)
     torch.testing.assert_close(ns["logits"], eager(ns["batch_ids"], ns["batch_offsets"]), rtol=1e-5, atol=1e-5)
     assert fast.get_submodule("embs.0").weight.shape == eager.embs[0].weight.shape
+    assert ns["loss"].shape == () and bool(torch.isfinite(ns["loss"]))  # the captured step's loss
 
 
 def test_readme_sharded_example_runs_under_torchrun_and_prints_its_plan(tmp_path):
