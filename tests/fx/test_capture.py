@@ -167,29 +167,3 @@ def test_a_bad_id_is_reported_and_its_batch_changes_no_table(device):
     assert torch.equal(weights.detach(), tables)
     train(*batches[2])
     assert not torch.equal(weights.detach(), tables)
-
-
-@pytest.mark.gpu
-def test_pinned_ids_and_weights_go_to_the_gpu_straight_from_the_callers_memory(monkeypatch):
-    from embfuse.fx.staging import Staging
-
-    sizes, dims = [40, 60, 25], [4, 8, 4]
-    base = Mixed(sizes, dims, ["sum", "mean", "sum"], [True, False, True], "cuda")
-    g = torch.Generator().manual_seed(5)
-    batches = [(*_inputs(sizes, 5, 4, g), torch.randn(5, 3, generator=g), torch.rand(5, 1, generator=g).round())
-               for _ in range(4)]
-    pinned = [([i.pin_memory() for i in ids], offsets, [w.pin_memory() for w in weights], dense, target)
-              for ids, offsets, weights, dense, target in batches]
-    direct = []
-    original = Staging.copy_direct
-    monkeypatch.setattr(Staging, "copy_direct", lambda self, moved, pairs: (direct.append(len(pairs)),
-                                                                            original(self, moved, pairs)))
-    (fast, opt), (plain, plain_opt) = _pair(base, batches[0][:4])
-    capacity = max(sum(i.numel() for i in b[0]) for b in batches)
-    train = embfuse.fx.capture(fast, pinned[0], _step(opt), capacity=capacity, optimizers=[opt])
-    for batch, host in zip(pinned, batches):
-        torch.testing.assert_close(train(*batch), _step(plain_opt)(plain, *host[:-1], host[-1].cuda()), **_tol("cuda"))
-    assert direct[-1] == 3 + 2  # every feature's ids, the weighted features' weights
-    with torch.no_grad():  # the eager model's own staging takes them straight too
-        torch.testing.assert_close(fast(*pinned[0][:4]), plain(*batches[0][:4]), **_tol("cuda"))
-    assert sorted(direct[-2:]) == [1, 2 + 2]  # its two lookup batches: weighted (ids, weights), not

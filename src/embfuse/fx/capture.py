@@ -13,9 +13,7 @@ of the graph and the device work in it:
 - a call writes its batch into one of two pinned host buffers (the ids end to end, the offsets
   made global and checked, as the model does eagerly), copies that buffer into the static one
   with one non-blocking copy, and replays. With two buffers the host writes batch i + 1 while
-  the GPU still runs batch i. Ids and weights the caller has in pinned memory already (a
-  DataLoader with pin_memory=True) are not written on the host: the GPU copies them straight
-  into their places, so they must not be written into until the step has run;
+  the GPU still runs batch i;
 - what is captured is `step(model, *inputs, *extras)` (default: the model's forward), such as
   forward, loss, backward and optimizer steps. Arguments past the model's own (a target, say)
   keep their example's shapes and dtypes; their tensors are copied into static tensors as well.
@@ -68,7 +66,7 @@ class _Bags:
         if batch.weighted:
             self.parts.append((self.weight_dtype, self.capacity))
 
-    def write(self, views: list[Tensor], ids, offsets, weights) -> list:
+    def write(self, views: list[Tensor], ids, offsets, weights) -> None:
         name = self.node.target
         B = _batch_size(self.batch.names, ids, offsets)
         if B != self.B:
@@ -80,8 +78,7 @@ class _Bags:
             raise ValueError(f"{name}: this batch has {n} ids, past the captured capacity {self.capacity}")
         if self.batch.weighted and any(w.dtype != self.weight_dtype for w in weights):
             raise TypeError(f"{name}: per_sample_weights must be {self.weight_dtype}, as when captured")
-        return write_staged(self.batch.names, ids, offsets, weights if self.batch.weighted else None, B, *views,
-                            direct=self.batch.collection.weights.is_cuda)
+        write_staged(self.batch.names, ids, offsets, weights if self.batch.weighted else None, B, *views)
 
     def run(self, views: list[Tensor]) -> Tensor:
         values, offsets, *weights = views
@@ -100,13 +97,12 @@ class _Copies:
         self.shapes = [(t.shape, t.dtype) for t in tensors]
         self.parts = [(t.dtype, t.numel()) for t in tensors]
 
-    def write(self, views: list[Tensor], tensors, device) -> list:
+    def write(self, views: list[Tensor], tensors, device) -> None:
         for view, t, (shape, dtype) in zip(views, tensors, self.shapes):
             if t.shape != shape or t.dtype != dtype:
                 raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)}, got {t.dtype} "
                                  f"{tuple(t.shape)}")
             view.copy_(t.reshape(-1))
-        return []
 
     def run(self, views: list[Tensor]) -> tuple:
         return tuple(v.view(shape) for v, (shape, _) in zip(views, self.shapes))
@@ -140,16 +136,38 @@ class CapturedStep:
         example_inputs = tuple(example_inputs)
         inputs, extras = example_inputs[:self.n_inputs], example_inputs[self.n_inputs:]
         self.placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
-        self.stagers = _stagers(model, self._env(inputs), capacity)
+        env = self._env(inputs)
+        self.stagers = []
+        for node in model.graph.nodes:
+            target = model.get_submodule(node.target) if node.op == "call_module" else None
+            if isinstance(target, (LookupBatch, PooledChain)):
+                self.stagers.append(_Bags(node, target, *self._args(node, env), capacity))
+            elif isinstance(target, EmbeddingBatch):
+                raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which "
+                                 f"a CUDA graph cannot replay")
+            elif node.op == "call_function" and node.target is copy_to_device:
+                self.stagers.append(_Copies(node, self._args(node, env)[0]))
+        staged = {s.node for s in self.stagers}
+        for s in self.stagers:
+            device = s.node.args[1] if isinstance(s, _Copies) else None
+            computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
+            if computed:
+                raise ValueError(f"{s.node.name} reads {computed}, computed inside the model: capture stages the "
+                                 f"model's own inputs only")
+        for p in self.placeholders:
+            others = [u.name for u in p.users if u not in staged]
+            if isinstance(env[p], Tensor) and others:
+                raise ValueError(f"input {p.name!r} is also read by {others}, not only by the batched lookups and "
+                                 f"host-to-device copies: a CUDA graph would replay its first value")
         self.device = self._device()
-        self.replays = graph and self.device.type == "cuda"
+        self.graph = graph and self.device.type == "cuda"
         # the layout: every stager's parts, then the host tensors among the extras
         self.extras = list(extras)
         self.host_extras = [i for i, e in enumerate(extras) if isinstance(e, Tensor) and e.device.type == "cpu"]
         parts = [p for s in self.stagers for p in s.parts] + [(extras[i].dtype, extras[i].numel())
                                                                  for i in self.host_extras]
-        self.pinned = [Staging(parts) for _ in range(2 if self.replays else 1)]
-        self.events = [torch.cuda.Event() if self.replays else None for _ in self.pinned]
+        self.pinned = [Staging(parts) for _ in range(2 if self.graph else 1)]
+        self.events = [torch.cuda.Event() if self.graph else None for _ in self.pinned]
         self.turn = 0
         self.buffer = torch.empty_like(self.pinned[0].buffer, device=self.device)
         views = self.pinned[0].views(self.buffer)
@@ -168,7 +186,7 @@ class CapturedStep:
         self.interpreter = _Static(model, static)
         self.outputs = None
         self._stage(example_inputs)
-        if self.replays:
+        if self.graph:
             self._capture(inputs, warmup, optimizers)
 
     def _env(self, inputs) -> dict:
@@ -206,14 +224,13 @@ class CapturedStep:
         k = self.turn
         if self.events[k] is not None:
             self.events[k].synchronize()  # the copy that last read this pinned buffer is done
-        views, at, direct = self.pinned[k].host, 0, []
+        views, at = self.pinned[k].host, 0
         for s in self.stagers:
-            direct += s.write(views[at:at + len(s.parts)], *self._args(s.node, env))
+            s.write(views[at:at + len(s.parts)], *self._args(s.node, env))
             at += len(s.parts)
         for j, i in enumerate(self.host_extras):
             views[at + j].copy_(extras[i].reshape(-1))
         self.buffer.copy_(self.pinned[k].buffer, non_blocking=True)
-        self.pinned[k].copy_direct(self.buffer, direct)
         for i, e in enumerate(extras):
             if isinstance(e, Tensor) and i not in self.host_extras:
                 self.static_extras[i].copy_(e, non_blocking=True)
@@ -263,44 +280,17 @@ class CapturedStep:
         self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
         for f, step in zip(fused, steps):
             f.step = step
+        self.inputs = inputs  # (what the captured staging nodes were given: kept alive with the graph)
 
     def __call__(self, *args):
         device_log(self.device).poll()  # errors that earlier replays found
         self._stage(args)
-        if not self.replays:
+        if not self.graph:
             return self._run(args[:self.n_inputs])
         self.cuda_graph.replay()
         for f, counted in self.fused_steps:
             f.step += counted
         return self.outputs
-
-
-def _stagers(model: torch.fx.GraphModule, env: dict, capacity: Optional[int]) -> list:
-    """The nodes of `model` that bring its host inputs to the device, each with its part of the
-    buffer; raises for what a graph could not replay."""
-    stagers = []
-    for node in model.graph.nodes:
-        target = model.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(target, (LookupBatch, PooledChain)):
-            stagers.append(_Bags(node, target, *CapturedStep._args(node, env), capacity))
-        elif isinstance(target, EmbeddingBatch):
-            raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which a "
-                             f"CUDA graph cannot replay")
-        elif node.op == "call_function" and node.target is copy_to_device:
-            stagers.append(_Copies(node, CapturedStep._args(node, env)[0]))
-    for s in stagers:
-        device = s.node.args[1] if isinstance(s, _Copies) else None
-        computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
-        if computed:
-            raise ValueError(f"{s.node.name} reads {computed}, computed inside the model: capture stages the model's "
-                             f"own inputs only")
-    staged = {s.node for s in stagers}
-    for p in (n for n in model.graph.nodes if n.op == "placeholder"):
-        others = [u.name for u in p.users if u not in staged]
-        if isinstance(env[p], Tensor) and others:
-            raise ValueError(f"input {p.name!r} is also read by {others}, not only by the batched lookups and "
-                             f"host-to-device copies: a CUDA graph would replay its first value")
-    return stagers
 
 
 def capture(model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,

@@ -89,22 +89,8 @@ class Staging:
         """The parts' 1-D views of `buffer` (this buffer, or a copy of it anywhere)."""
         return [buffer[start:start + size].view(dtype) for start, size, dtype in self._layout]
 
-    def to(self, device, direct: Sequence[tuple[Tensor, Tensor]] = ()) -> list[Tensor]:
-        """The buffer copied to `device` (one non-blocking copy), as the parts' views there.
-        `direct`: (slice of a host part, pinned tensor) pairs left unwritten on the host, copied
-        into their places on the device straight from the tensors."""
-        moved = self.buffer.to(device, non_blocking=True)
-        self.copy_direct(moved, direct)
-        return self.views(moved)
-
-    def copy_direct(self, moved: Tensor, direct: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """Copy each pinned tensor of `direct` into the place of its host slice in `moved` (this
-        layout, on a GPU), non-blocking: the caller must not write into those tensors until the
-        GPU has read them, as for any non-blocking copy."""
-        base = self.buffer.data_ptr()
-        for dst, src in direct:
-            at = dst.data_ptr() - base
-            moved[at:at + dst.numel() * dst.element_size()].view(dst.dtype).copy_(src, non_blocking=True)
+    def to(self, device) -> list[Tensor]:
+        return self.views(self.buffer.to(device, non_blocking=True))
 
 
 def copy_to_device(tensors: Sequence[Tensor], device) -> tuple[Tensor, ...]:

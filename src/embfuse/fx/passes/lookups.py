@@ -190,30 +190,22 @@ def _local_offsets(i: Tensor, o: Tensor | None, dtype: torch.dtype) -> Tensor:
 def _stage(names, ids, offsets, weights, B, device):
     """Host inputs: values, global offsets and weights written into one (pinned) buffer, checked
     on the host (no device read: the data is here), copied once to a GPU: [values, offsets] and
-    the weights if any. Inputs already in pinned memory go to the GPU straight from there."""
-    device = torch.device(device)
+    the weights if any."""
     dtype, n, N = _index_dtype(ids, offsets), sum(i.numel() for i in ids), len(ids)
     parts = [(dtype, n), (dtype, N * B + 1)]
     if weights is not None:
         parts.append((weights[0].dtype, n))
     staging = Staging(parts)
-    direct = write_staged(names, ids, offsets, weights, B, *staging.host, direct=device.type == "cuda")
-    return staging.to(device, direct)
+    write_staged(names, ids, offsets, weights, B, *staging.host)
+    return staging.to(device)
 
 
-def write_staged(names, ids, offsets, weights, B, values: Tensor, offs: Tensor, psw: Tensor | None = None, *,
-                 direct: bool = False) -> list[tuple[Tensor, Tensor]]:
+def write_staged(names, ids, offsets, weights, B, values: Tensor, offs: Tensor, psw: Tensor | None = None) -> None:
     """Write a batch's host inputs into host buffers: the ids end to end at the start of
     `values` (which may be longer: padding), the N * B + 1 global offsets into `offs` (checked
-    against torch's rules, BadBatchError), the weights, if any, end to end into `psw`.
-    `direct` (the buffers go to a GPU): ids and weights that are already in pinned memory, of
-    the buffer's dtype, are not written; they are returned as (buffer slice, tensor) pairs for
-    the GPU to copy straight from the caller's memory (Staging.to)."""
+    against torch's rules, BadBatchError), the weights, if any, end to end into `psw`."""
     bases, N = _bases(ids), len(ids)
     pairs = end_to_end(values, ids) + (end_to_end(psw, weights) if weights is not None else [])
-    skipped = [(dst, src) for dst, src in pairs if src.dtype == dst.dtype and src.is_pinned()] if direct else []
-    if skipped:
-        pairs = [(dst, src) for dst, src in pairs if not (src.dtype == dst.dtype and src.is_pinned())]
     grid = offs[:N * B].view(N, B)
 
     def global_offsets():  # beside the copies of the ids
@@ -223,7 +215,6 @@ def write_staged(names, ids, offsets, weights, B, values: Tensor, offs: Tensor, 
         offs[-1] = bases[-1]
 
     copy_all(pairs, global_offsets)
-    return skipped
 
 
 @torch.library.custom_op("embfuse::stage_bags", mutates_args=())
