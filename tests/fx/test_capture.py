@@ -167,3 +167,18 @@ def test_a_bad_id_is_reported_and_its_batch_changes_no_table(device):
     assert torch.equal(weights.detach(), tables)
     train(*batches[2])
     assert not torch.equal(weights.detach(), tables)
+
+
+def test_the_stale_stream_switch_is_on_only_while_capturing():
+    import sys
+
+    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if override is None:
+        pytest.skip("this torch has no set_override_stale_capture_stream")
+    joined = sys.modules["embfuse.fx.capture"]._stale_streams_joined
+    for before in (False, True):
+        override(before)
+        with joined():
+            assert torch._C._override_stale_capture_stream()
+        assert torch._C._override_stale_capture_stream() == before
+    override(False)

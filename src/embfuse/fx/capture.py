@@ -34,6 +34,7 @@ optim/lookup.py).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from typing import Callable, Optional, Sequence
@@ -136,38 +137,16 @@ class CapturedStep:
         example_inputs = tuple(example_inputs)
         inputs, extras = example_inputs[:self.n_inputs], example_inputs[self.n_inputs:]
         self.placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
-        env = self._env(inputs)
-        self.stagers = []
-        for node in model.graph.nodes:
-            target = model.get_submodule(node.target) if node.op == "call_module" else None
-            if isinstance(target, (LookupBatch, PooledChain)):
-                self.stagers.append(_Bags(node, target, *self._args(node, env), capacity))
-            elif isinstance(target, EmbeddingBatch):
-                raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which "
-                                 f"a CUDA graph cannot replay")
-            elif node.op == "call_function" and node.target is copy_to_device:
-                self.stagers.append(_Copies(node, self._args(node, env)[0]))
-        staged = {s.node for s in self.stagers}
-        for s in self.stagers:
-            device = s.node.args[1] if isinstance(s, _Copies) else None
-            computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
-            if computed:
-                raise ValueError(f"{s.node.name} reads {computed}, computed inside the model: capture stages the "
-                                 f"model's own inputs only")
-        for p in self.placeholders:
-            others = [u.name for u in p.users if u not in staged]
-            if isinstance(env[p], Tensor) and others:
-                raise ValueError(f"input {p.name!r} is also read by {others}, not only by the batched lookups and "
-                                 f"host-to-device copies: a CUDA graph would replay its first value")
+        self.stagers = _stagers(model, self._env(inputs), capacity)
         self.device = self._device()
-        self.graph = graph and self.device.type == "cuda"
+        self.replays = graph and self.device.type == "cuda"
         # the layout: every stager's parts, then the host tensors among the extras
         self.extras = list(extras)
         self.host_extras = [i for i, e in enumerate(extras) if isinstance(e, Tensor) and e.device.type == "cpu"]
         parts = [p for s in self.stagers for p in s.parts] + [(extras[i].dtype, extras[i].numel())
                                                                  for i in self.host_extras]
-        self.pinned = [Staging(parts) for _ in range(2 if self.graph else 1)]
-        self.events = [torch.cuda.Event() if self.graph else None for _ in self.pinned]
+        self.pinned = [Staging(parts) for _ in range(2 if self.replays else 1)]
+        self.events = [torch.cuda.Event() if self.replays else None for _ in self.pinned]
         self.turn = 0
         self.buffer = torch.empty_like(self.pinned[0].buffer, device=self.device)
         views = self.pinned[0].views(self.buffer)
@@ -186,7 +165,7 @@ class CapturedStep:
         self.interpreter = _Static(model, static)
         self.outputs = None
         self._stage(example_inputs)
-        if self.graph:
+        if self.replays:
             self._capture(inputs, warmup, optimizers)
 
     def _env(self, inputs) -> dict:
@@ -273,24 +252,59 @@ class CapturedStep:
         for f, step in zip(fused, steps):
             f.step = step
         self.cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.cuda_graph):
-            self.outputs = self._run(inputs)
+        try:
+            with _stale_streams_joined(), torch.cuda.graph(self.cuda_graph):
+                self.outputs = self._run(inputs)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"capturing the step failed ({e}). One cause: an autograd graph made outside the capture is still "
+                f"alive and reaches the model's parameters (the output of a forward with gradients, kept): their "
+                f"gradient accumulators then run on that forward's stream. Drop that output (or make that forward "
+                f"under torch.no_grad()) before capturing; torch versions with "
+                f"torch.autograd.graph.set_override_stale_capture_stream handle it for you.") from e
         # a replay runs no Python: the fused optimizers' step counts advance here, by what the
         # captured step counted
         self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
         for f, step in zip(fused, steps):
             f.step = step
-        self.inputs = inputs  # (what the captured staging nodes were given: kept alive with the graph)
 
     def __call__(self, *args):
         device_log(self.device).poll()  # errors that earlier replays found
         self._stage(args)
-        if not self.graph:
+        if not self.replays:
             return self._run(args[:self.n_inputs])
         self.cuda_graph.replay()
         for f, counted in self.fused_steps:
             f.step += counted
         return self.outputs
+
+
+def _stagers(model: torch.fx.GraphModule, env: dict, capacity: Optional[int]) -> list:
+    """The nodes of `model` that bring its host inputs to the device, each with its part of the
+    buffer; raises for what a graph could not replay."""
+    stagers = []
+    for node in model.graph.nodes:
+        target = model.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(target, (LookupBatch, PooledChain)):
+            stagers.append(_Bags(node, target, *CapturedStep._args(node, env), capacity))
+        elif isinstance(target, EmbeddingBatch):
+            raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which a "
+                             f"CUDA graph cannot replay")
+        elif node.op == "call_function" and node.target is copy_to_device:
+            stagers.append(_Copies(node, CapturedStep._args(node, env)[0]))
+    for s in stagers:
+        device = s.node.args[1] if isinstance(s, _Copies) else None
+        computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
+        if computed:
+            raise ValueError(f"{s.node.name} reads {computed}, computed inside the model: capture stages the model's "
+                             f"own inputs only")
+    staged = {s.node for s in stagers}
+    for p in (n for n in model.graph.nodes if n.op == "placeholder"):
+        others = [u.name for u in p.users if u not in staged]
+        if isinstance(env[p], Tensor) and others:
+            raise ValueError(f"input {p.name!r} is also read by {others}, not only by the batched lookups and "
+                             f"host-to-device copies: a CUDA graph would replay its first value")
+    return stagers
 
 
 def capture(model: torch.fx.GraphModule, example_inputs: Sequence, step: Optional[Callable] = None, *,
@@ -303,6 +317,23 @@ def capture(model: torch.fx.GraphModule, example_inputs: Sequence, step: Optiona
     (the model's parameters, buffers and fused optimizers are put back in any case)."""
     return CapturedStep(model, example_inputs, step, capacity=capacity, optimizers=optimizers, graph=graph,
                         warmup=warmup)
+
+
+@contextlib.contextmanager
+def _stale_streams_joined():
+    """Autograd's gradient accumulators keep the stream of the forward that made them while any
+    graph through them is alive; newer torch (2.13 has it) can move such a stale stream into the
+    capture (set_override_stale_capture_stream), which this turns on for the capture. Older torch: as is."""
+    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if override is None:
+        yield
+        return
+    was = getattr(torch._C, "_override_stale_capture_stream", lambda: False)()
+    override(True)
+    try:
+        yield
+    finally:
+        override(was)
 
 
 def _state_tensors(optimizer) -> list[Tensor]:
