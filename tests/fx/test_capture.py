@@ -50,18 +50,19 @@ def _tol(device):
     return dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("graph", [True, False])  # (False: the staged step run eagerly, the same staging)
 @pytest.mark.parametrize("device", DEVICES)
-def test_forward_and_training_steps_match_the_model_called_batch_by_batch(device):
+def test_forward_and_training_steps_match_the_model_called_batch_by_batch(device, graph):
     base = EagerModel(SIZES, dim=8, hidden=(16,), device=device)
     batches = _batches(SIZES, 5, B=6, L=3)
     target_on = [(i, o, t.to(device)) for i, o, t in batches]  # a device extra
     capacity = max(sum(i.numel() for i in b[0]) for b in batches)
     (fast, opt), (plain, plain_opt) = _pair(base, batches[0][:2])
-    forward = embfuse.fx.capture(fast, batches[0][:2], capacity=capacity)
+    forward = embfuse.fx.capture(fast, batches[0][:2], capacity=capacity, graph=graph)
     with torch.no_grad():
         for ids, offsets, _ in batches:
             torch.testing.assert_close(forward(ids, offsets), plain(ids, offsets), **_tol(device))
-    train = embfuse.fx.capture(fast, target_on[0], _step(opt), capacity=capacity, optimizers=[opt])
+    train = embfuse.fx.capture(fast, target_on[0], _step(opt), capacity=capacity, optimizers=[opt], graph=graph)
     for ids, offsets, target in target_on:
         loss = train(ids, offsets, target)
         torch.testing.assert_close(loss, _step(plain_opt)(plain, ids, offsets, target), **_tol(device))

@@ -145,8 +145,11 @@ class CapturedStep:
         self.host_extras = [i for i, e in enumerate(extras) if isinstance(e, Tensor) and e.device.type == "cpu"]
         parts = [p for s in self.stagers for p in s.parts] + [(extras[i].dtype, extras[i].numel())
                                                                  for i in self.host_extras]
-        self.pinned = [Staging(parts) for _ in range(2 if self.replays else 1)]
-        self.events = [torch.cuda.Event() if self.replays else None for _ in self.pinned]
+        # on a GPU two pinned buffers, each reused only once the copy that read it is done (with
+        # or without a graph: the copy is non-blocking either way)
+        cuda = self.device.type == "cuda"
+        self.pinned = [Staging(parts) for _ in range(2 if cuda else 1)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in self.pinned]
         self.turn = 0
         self.buffer = torch.empty_like(self.pinned[0].buffer, device=self.device)
         views = self.pinned[0].views(self.buffer)
