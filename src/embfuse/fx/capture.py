@@ -44,7 +44,7 @@ import torch.fx
 from torch import Tensor
 
 from embfuse.fx.passes.horizontal import PooledChain
-from embfuse.fx.passes.lookups import EmbeddingBatch, LookupBatch, _batch_size, _index_dtype, write_staged
+from embfuse.fx.passes.lookups import EmbeddingBatch, LookupBatch, batch_size, index_dtype, write_staged
 from embfuse.fx.staging import Staging, copy_to_device
 from embfuse.ops.deferred import device_log
 
@@ -56,8 +56,8 @@ class _Bags:
     def __init__(self, node: torch.fx.Node, lookup, ids, offsets, weights, capacity: Optional[int]):
         self.node, self.lookup = node, lookup
         batch = self.batch = lookup if isinstance(lookup, LookupBatch) else lookup.batch
-        self.B = _batch_size(batch.names, ids, offsets)
-        self.dtype = _index_dtype(ids, offsets)
+        self.B = batch_size(batch.names, ids, offsets)
+        self.dtype = index_dtype(ids, offsets)
         n = sum(i.numel() for i in ids)
         self.capacity = n if capacity is None else capacity
         if self.capacity < n:
@@ -69,10 +69,10 @@ class _Bags:
 
     def write(self, views: list[Tensor], ids, offsets, weights) -> None:
         name = self.node.target
-        B = _batch_size(self.batch.names, ids, offsets)
+        B = batch_size(self.batch.names, ids, offsets)
         if B != self.B:
             raise ValueError(f"{name}: this batch has {B} samples, the captured graph {self.B}")
-        if _index_dtype(ids, offsets).itemsize > self.dtype.itemsize:
+        if index_dtype(ids, offsets).itemsize > self.dtype.itemsize:
             raise TypeError(f"{name}: this batch's ids or offsets are int64, the captured graph's int32")
         n = sum(i.numel() for i in ids)
         if n > self.capacity:

@@ -97,7 +97,7 @@ class LookupBatch(_Batch):
     def features(self, ids: tuple, offsets: tuple, weights: tuple) -> KeyedJaggedTensor:
         """forward's inputs as one KeyedJaggedTensor on the collection's device."""
         device = self.collection.weights.device
-        B = _batch_size(self.names, ids, offsets)
+        B = batch_size(self.names, ids, offsets)
         parts = list(ids) + [o for o in offsets if o is not None] + [w for w in weights if w is not None]
         if all(t.device.type == "cpu" for t in parts) and not any(t.requires_grad for t in parts):
             psw = weights if self.weighted else None
@@ -136,7 +136,7 @@ class EmbeddingBatch(_Batch):
         for name, i in zip(self.names, ids):
             if i.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"feature {name!r}: ids must be int32 or int64, got {i.dtype}")
-        dtype, bases = _index_dtype(ids, ()), _bases(ids)
+        dtype, bases = index_dtype(ids, ()), _bases(ids)
         if tracing():  # host ids in one staged copy, an op of the graph; the counts a graph constant
             values = torch.cat([i.reshape(-1).to(dtype) for i in copy_to_device(ids, device)])
             offsets = torch.tensor(bases, dtype=dtype, device=device)
@@ -156,7 +156,7 @@ class EmbeddingBatch(_Batch):
         return tuple(rows[n].values().view(*i.shape, D) for n, i in zip(self.names, ids))
 
 
-def _batch_size(names, ids, offsets) -> int:
+def batch_size(names, ids, offsets) -> int:
     sizes = [i.shape[0] if o is None else o.shape[0] for i, o in zip(ids, offsets)]
     for name, i, o, b in zip(names, ids, offsets, sizes):
         if (i.dim() != 2 if o is None else i.dim() != 1 or o.dim() != 1):
@@ -169,7 +169,7 @@ def _batch_size(names, ids, offsets) -> int:
     return sizes[0]
 
 
-def _index_dtype(ids, offsets) -> torch.dtype:
+def index_dtype(ids, offsets) -> torch.dtype:
     small = all(t.dtype == torch.int32 for t in list(ids) + [o for o in offsets if o is not None])
     return torch.int32 if small else torch.int64
 
@@ -191,7 +191,7 @@ def _stage(names, ids, offsets, weights, B, device):
     """Host inputs: values, global offsets and weights written into one (pinned) buffer, checked
     on the host (no device read: the data is here), copied once to a GPU: [values, offsets] and
     the weights if any."""
-    dtype, n, N = _index_dtype(ids, offsets), sum(i.numel() for i in ids), len(ids)
+    dtype, n, N = index_dtype(ids, offsets), sum(i.numel() for i in ids), len(ids)
     parts = [(dtype, n), (dtype, N * B + 1)]
     if weights is not None:
         parts.append((weights[0].dtype, n))
@@ -227,7 +227,7 @@ def _stage_op(names: str, ids: list[Tensor], offsets: list[Optional[Tensor]], we
 
 @_stage_op.register_fake
 def _(names, ids, offsets, weights, B, device):
-    dtype, n = _index_dtype(ids, offsets), sum(i.numel() for i in ids)
+    dtype, n = index_dtype(ids, offsets), sum(i.numel() for i in ids)
     out = [torch.empty(n, dtype=dtype, device=device), torch.empty(len(ids) * B + 1, dtype=dtype, device=device)]
     return out + [torch.empty(n, dtype=weights[0].dtype, device=device)] if weights else out
 
@@ -259,7 +259,7 @@ def _on_device(ids, offsets, weights, B, device):
     whose offsets[0] is not 0 gets a first global offset past the end (or before its start), so
     the collection's check reports the batch as bad instead of pooling another feature's ids."""
     ids = [i.to(device) for i in ids]
-    dtype, bases, N = _index_dtype(ids, offsets), _bases(ids), len(ids)
+    dtype, bases, N = index_dtype(ids, offsets), _bases(ids), len(ids)
     values = torch.cat([i.reshape(-1).to(dtype) for i in ids])
     local = [_local_offsets(i, None if o is None else o.to(device), dtype) for i, o in zip(ids, offsets)]
     shifted = list(torch._foreach_add(local, bases[:-1])) if N else []
@@ -409,4 +409,4 @@ def _whole_cat(graph: torch.fx.Graph, out: torch.fx.Node, slices: list[torch.fx.
             graph.erase_node(piece)
 
 
-__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "unbatchable", "write_staged"]
+__all__ = ["EmbeddingBatch", "LookupBatch", "batch_lookups", "batch_size", "index_dtype", "unbatchable", "write_staged"]
