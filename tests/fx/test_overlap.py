@@ -34,9 +34,10 @@ def _overlap(rank, world):
     eager, other = twins(SparseFirst)
     gm = overlap_collectives(other)
     nodes = list(gm.graph.nodes)
-    request, middle, wait = (next(i for i, n in enumerate(nodes) if n.target is f) for f in STAGES)
+    request, middle, send, wait = (next(i for i, n in enumerate(nodes) if n.target is f) for f in STAGES)
     mlp = [i for i, n in enumerate(nodes) if n.op == "call_module" and n.target.startswith("mlp")]
     assert request < min(mlp) and max(mlp) < wait and request < middle < wait, [n.format_node() for n in nodes]
+    assert send == middle + 1 and min(mlp) < middle < max(mlp), [n.format_node() for n in nodes]
     assert not any(n.op == "call_module" and n.target == "sparse" for n in nodes)
     opts = [torch.optim.SGD(dense(m), lr=0.1) for m in (eager, gm)]
     for b in batches(rank, 3):
@@ -56,10 +57,19 @@ def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_res
 
 
 def _compiled(rank, world, overlap):
+    from torch._inductor.compile_fx import compile_fx
+
     eager, other = twins(SparseFirst)
-    # the dense parts compiled; the sharded call (or the pass's three stages, in the pass's order)
-    # run eagerly between them
-    compiled = torch.compile(overlap_collectives(other) if overlap else other)
+    # the dense parts compiled; the sharded call (or the pass's request and lookup, in the pass's
+    # order) run eagerly between them; with the pass, the send and the wait are compiled
+    seen = []
+
+    def inductor(gm, example_inputs):
+        seen.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    model = overlap_collectives(other, functional=overlap == "functional") if overlap else other
+    compiled = torch.compile(model, backend=inductor)
     graphs = []
     for b in batches(rank, 3):
         losses = [m(b) for m in (eager, compiled)]
@@ -69,8 +79,14 @@ def _compiled(rank, world, overlap):
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[-1], graphs  # batches of other sizes compile nothing again
     assert_trained_alike(eager, other, exact=False)
+    functional = [gm for gm in seen if any("all_to_all_single" in str(n.target) for n in gm.graph.nodes)]
+    if overlap == "functional":  # the pooled rows' all-to-all inside a compiled region, with the layers after it
+        assert functional and any(any(n.op == "call_module" or "linear" in str(n.target) for n in gm.graph.nodes)
+                                  for gm in functional), [gm.code for gm in seen]
+    else:
+        assert not functional
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, "functional"])
 def test_a_model_with_a_sharded_collection_trains_under_torch_compile(overlap):
     run_world(_compiled, 2, overlap)

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from embfuse.distributed.assembly import SideBySide, move_table
@@ -295,19 +296,35 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def lookup_and_send(self, incoming: "InputDist") -> "OutputDist":
         """Wait for the input exchange, look up this rank's shards, and start sending the pooled
         rows back (the request half of the output exchange)."""
-        B, batches = incoming.B, incoming.batches
+        return self.send(self.pooled(incoming), incoming)
+
+    def pooled(self, incoming: "InputDist") -> Tensor:
+        """`lookup`, ready to send: a leaf that needs grad where autograd records (every rank
+        joins the backward's all-to-all), the assembly's moves made (host work, done here)."""
         pooled = self.lookup(incoming)
         if torch.is_grad_enabled() and not pooled.requires_grad:
-            pooled = pooled.detach().requires_grad_()  # every rank joins the backward's all-to-all
-        handle = OutputDist(incoming.kjt, B)
+            pooled = pooled.detach().requires_grad_()
+        self._columns()
+        return pooled
+
+    def send(self, pooled: Tensor, incoming: "InputDist") -> "OutputDist":
+        """Start sending the pooled rows to the ranks whose samples they are. Under torch.compile
+        (embfuse.fx's overlap pass puts this inside a compiled region) the all-to-all is a
+        functional collective, whose wait Inductor places at the first use; eagerly it is
+        torch.distributed's asynchronous one (PooledAllToAll), waited in output_wait."""
+        handle = OutputDist(incoming.kjt, incoming.B)
         if self.world == 1:  # nothing to send: the pooled rows are this rank's output
             handle.recv = pooled.reshape(-1)
             return handle
         if self.comm_dtype is not None:
             pooled = pooled.to(self.comm_dtype)  # (its backward casts the gradient that comes back)
-        handle.recv = PooledAllToAll.apply(pooled, [b * self.widths[self.rank] for b in batches],
-                                           [B * self.widths[o] for o in range(self.world)], self.group,
-                                           self.comm_timer, handle)
+        send_splits = [b * self.widths[self.rank] for b in incoming.batches]
+        recv_splits = [incoming.B * self.widths[o] for o in range(self.world)]
+        if torch.compiler.is_compiling():
+            handle.recv = funcol.all_to_all_single_autograd(pooled.contiguous().view(-1), recv_splits, send_splits,
+                                                            self.group if self.group is not None else dist.group.WORLD)
+        else:
+            handle.recv = PooledAllToAll.apply(pooled, send_splits, recv_splits, self.group, self.comm_timer, handle)
         return handle
 
     def output_wait(self, sent: "OutputDist") -> KeyedTensor:
