@@ -4,8 +4,9 @@
 # PART: "check" (every plan against the unsharded collection, a bad batch on one rank, a
 # checkpoint from every rank, TrainPipeline against the plain loop; then the step's phases),
 # "bench" (`embfuse bench --distributed` and the synthetic demo, on 1 GPU and on N; on N also
-# with the pooled rows sent in bf16), or both when left out. Writes OUT/log.txt, OUT/bench-1,
-# OUT/bench-N, OUT/bench-N-bf16, OUT/demo-1, OUT/demo-N.
+# with the pooled rows sent in bf16, and with the overlap pass under torch.compile, its all-to-all
+# eager or functional), or both when left out. Writes OUT/log.txt, OUT/bench-1, OUT/bench-N,
+# OUT/bench-N-bf16, OUT/bench-N-compiled, OUT/demo-1, OUT/demo-N.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
 # of a copy without its git history.
 set -uo pipefail
@@ -40,6 +41,8 @@ if [ "$PART" != check ]; then
     if [ "$N" -gt 1 ]; then
         run "embfuse bench --distributed --comm-dtype bf16, $N ranks" 200 torchrun --nproc_per_node="$N" \
             --master_port 29603 -m embfuse.cli bench --distributed --comm-dtype bf16 --out "$OUT/bench-$N-bf16"
+        run "embfuse bench --distributed --compiled, $N ranks" 400 torchrun --nproc_per_node="$N" \
+            --master_port 29603 -m embfuse.cli bench --distributed --compiled --out "$OUT/bench-$N-compiled"
     fi
     for w in $WORLDS; do
         run "embfuse demo --data synthetic, $w rank(s)" 150 torchrun --nproc_per_node="$w" --master_port 29604 \

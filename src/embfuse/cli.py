@@ -189,7 +189,7 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
     from embfuse.bench.distributed import measure, write
 
     result = measure(args.batch_size, args.rows, args.dim, args.hotness, args.steps, args.warmup, args.device,
-                     comm_dtype=args.comm_dtype)
+                     comm_dtype=args.comm_dtype, compiled=args.compiled)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0
     t = Table(title=f"sharded step: {result['world_size']} rank(s), {result['backend']}, batch {args.batch_size} a "
@@ -212,6 +212,13 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
     loops.add_row(*(f"{r0[k]:.0f}" for k in ("no_exchange_device_us", "plain_device_us", "overlap_pass_device_us",
                                               "plain_host_us", "pipelined_host_us")))
     console.print(loops)
+    if args.compiled:
+        compiled = Table(title="rank 0: the same step with the overlap pass under torch.compile, us")
+        for c in ("stages eager", "functional all-to-all", "functional, Inductor's reordering on"):
+            compiled.add_column(c, justify="right")
+        compiled.add_row(*(f"{r0[k]:.0f}" for k in ("compiled_overlap_us", "compiled_functional_us",
+                                                     "compiled_functional_reordered_us")))
+        console.print(compiled)
     plain = result["ranks"][0]["unsharded_step_us"]
     if plain is not None:
         console.print(f"the same step unsharded (world of one): {plain:.0f} us")
@@ -263,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="--distributed: cap on each table's rows")
     p.add_argument("--dim", type=int, default=128, help="--distributed: embedding width")
     p.add_argument("--hotness", type=int, default=20, help="--distributed: mean ids a bag")
+    p.add_argument("--compiled", action="store_true", help="--distributed: also the overlap pass under "
+                   "torch.compile (stages eager, functional all-to-all, and that with Inductor's reordering)")
     p.add_argument("--comm-dtype", choices=("table", "bf16", "fp16"), default="table",
                    help="--distributed: the dtype pooled rows cross ranks in (default: the tables')")
     p.add_argument("--steps", type=int, default=20, help="--distributed: timed steps")

@@ -48,9 +48,10 @@ COMM_DTYPES = {"table": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: int, device: str = "auto",
-            plan=None, comm_dtype: str = "table") -> dict:
+            plan=None, comm_dtype: str = "table", compiled: bool = False) -> dict:
     """Time the sharded step on every rank; returns every rank's figures (on every rank).
-    `comm_dtype`: a COMM_DTYPES key, the dtype the pooled rows cross ranks in (shard's)."""
+    `comm_dtype`: a COMM_DTYPES key, the dtype the pooled rows cross ranks in (shard's).
+    `compiled`: also the overlap pass under torch.compile, three ways (_loops)."""
     dev, made = _init(device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,7 +71,7 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
             plain = statistics.median(_time_steps(ebc, batches, steps, warmup, dev)[0])
         del ebc
         model.comm_timer = None
-        loops = _loops(model, batches, steps, warmup, dev)
+        loops = _loops(model, batches, steps, warmup, dev, compiled)
         step = statistics.median(times)
         mine = {"rank": rank, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "step_us": step * 1e6, "examples_per_s": batch / step, "comm_share": statistics.median(comm) / step,
@@ -134,14 +135,17 @@ class _Model(torch.nn.Module):
         return pooled.sum() + dense.sum()
 
 
-def _loops(model, batches, steps, warmup, dev) -> dict:
+def _loops(model, batches, steps, warmup, dev, compiled: bool = False) -> dict:
     """Throughput of five training loops over `steps` steps (one sync at the end, all ranks
     started together), us a step, the median of ROUNDS rounds in which the loops alternate: the
     ideal with the exchanges removed (each rank's own lookups of batches exchanged beforehand,
     and the MLP); the plain loop on batches already on the device; the same through embfuse.fx.overlap_collectives
     (requests early, waits late: the bottom MLP runs while the collectives are in flight); the
     plain loop on batches from pinned host memory (a copy each step); TrainPipeline on the same
-    host batches (the next batches' copy and exchange beside this one's compute)."""
+    host batches (the next batches' copy and exchange beside this one's compute). `compiled`:
+    three more, the overlap pass under torch.compile with its stages eager, with the pooled rows'
+    all-to-all a functional collective (Inductor's default places its wait at once), and the same
+    with Inductor's reordering on (sink_waits: the wait after the ops that do not need it)."""
     from embfuse.fx import overlap_collectives
 
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -179,6 +183,19 @@ def _loops(model, batches, steps, warmup, dev) -> dict:
             "overlap_pass_device_us": lambda: plain(overlapped, device_batches, lambda b: b),
             "plain_host_us": lambda: plain(step_model, host, to_device),
             "pipelined_host_us": piped}
+    if compiled:
+        import torch._inductor.config as inductor
+
+        reorder = dict(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=["sink_waits"])
+        variants = {"compiled_overlap_us": (False, {}), "compiled_functional_us": (True, {}),
+                    "compiled_functional_reordered_us": (True, reorder)}
+        for name, (functional, options) in variants.items():
+            fn = torch.compile(overlap_collectives(step_model, functional=functional))
+
+            def run(fn=fn, options=options):  # (Inductor reads its options when it compiles: round 0)
+                with inductor.patch(options):
+                    plain(fn, device_batches, lambda b: b)
+            runs[name] = run
     times = {name: [] for name in runs}
     for rnd in range(1 + ROUNDS):  # the loops alternate, round after round: drift hits each alike
         for name, run in runs.items():
