@@ -74,6 +74,16 @@ def test_static_helpers_of_traced_containers_are_one_call():
     (lists, named), (want, _) = gm([kt1, kt2], groups), Regroup()([kt1, kt2], groups)
     assert all(torch.equal(x, y) for x, y in zip(lists, want)) and torch.equal(named["y"], want[1])
 
+    class EmptyLike(torch.nn.Module):  # TorchRec's test_traceable_empty_like, less its TorchScript
+        def forward(self, kjt):
+            empty = KeyedJaggedTensor.empty_like(kjt)
+            return empty.values().numel() + empty.weights().numel() + empty.stride()
+
+    weighted = KeyedJaggedTensor(["a"], torch.arange(3.0), torch.rand(3), lengths=torch.tensor([1, 2]))
+    gm = torch.fx.symbolic_trace(EmptyLike())
+    assert "_empty_like" in gm.code  # one call (unwrapped, tracing it iterated a Proxy and failed)
+    assert gm(weighted) == EmptyLike()(weighted) == 2
+
 
 def test_from_dense_lengths_traces_with_or_without_weights():
     values, lengths = torch.arange(12.0).reshape(3, 4), torch.tensor([2, 0, 3])

@@ -361,11 +361,8 @@ class KeyedJaggedTensor(_Jagged):
 
     @staticmethod
     def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
-        """TorchRec's: no keys, the dtypes, device and stride of `kjt`."""
-        w = kjt.weights_or_none()
-        return KeyedJaggedTensor([], kjt.values().new_empty((0,) + tuple(kjt.values().shape[1:])),
-                                 None if w is None else w.new_empty(0), lengths=kjt.lengths().new_empty(0),
-                                 stride=kjt.stride())
+        """TorchRec's: no keys, the dtypes, device and stride of `kjt` (one call when traced)."""
+        return _empty_like(kjt)
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
@@ -583,6 +580,14 @@ def _concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
 
 
 torch.fx.wrap("_concat")
+
+
+@torch.fx.wrap
+def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    w = kjt.weights_or_none()
+    return KeyedJaggedTensor([], kjt.values().new_empty((0,) + tuple(kjt.values().shape[1:])),
+                             None if w is None else w.new_empty(0), lengths=kjt.lengths().new_empty(0),
+                             stride=kjt.stride())
 
 
 def _kept(t: Optional[Tensor], keep: Tensor) -> Optional[Tensor]:
