@@ -16,8 +16,9 @@ Forward, on every rank, for its own batch of B samples:
    its local collection (one launch, fused optimizer included): the sources' samples one after
    another, so the bag order is the concatenated batch's.
 4. The pooled rows go back by one all-to-all (PooledAllToAll, whose backward is the reverse),
-   waited on only when the output is assembled (`forward` = `input_dist`, `lookup_and_send`,
-   `output_wait`: embfuse.fx's overlap pass moves the requests early and the waits late);
+   waited on only when the output is assembled (`forward` = `input_dist`, `lookup_and_send`
+   (`pooled` + `send`), `output_wait`: embfuse.fx's overlap pass moves the requests early and
+   the waits late);
    the sample's rank moves column runs into place (assembly.py) or adds row-wise partial sums
    (in a fixed order: deterministic), then divides row-wise mean / sqrtn features by the whole
    bag's norm.
