@@ -98,7 +98,7 @@ class _Copies:
         self.shapes = [(t.shape, t.dtype) for t in tensors]
         self.parts = [(t.dtype, t.numel()) for t in tensors]
 
-    def write(self, views: list[Tensor], tensors, device) -> None:
+    def write(self, views: list[Tensor], tensors, device) -> None:  # (device: the node's, unused)
         for view, t, (shape, dtype) in zip(views, tensors, self.shapes):
             if t.shape != shape or t.dtype != dtype:
                 raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)}, got {t.dtype} "
@@ -174,10 +174,6 @@ class CapturedStep:
     def _env(self, inputs) -> dict:
         return dict(zip(self.placeholders, self.model.graph.process_inputs(*inputs)))
 
-    @staticmethod
-    def _args(node: torch.fx.Node, env: dict) -> tuple:
-        return torch.fx.node.map_arg(node.args, env.get)  # (a device node: None)
-
     def _device(self) -> torch.device:
         for s in self.stagers:
             if isinstance(s, _Bags):
@@ -208,7 +204,7 @@ class CapturedStep:
             self.events[k].synchronize()  # the copy that last read this pinned buffer is done
         views, at = self.pinned[k].host, 0
         for s in self.stagers:
-            s.write(views[at:at + len(s.parts)], *self._args(s.node, env))
+            s.write(views[at:at + len(s.parts)], *_node_args(s.node, env))
             at += len(s.parts)
         for j, i in enumerate(self.host_extras):
             views[at + j].copy_(extras[i].reshape(-1))
@@ -282,6 +278,11 @@ class CapturedStep:
         return self.outputs
 
 
+def _node_args(node: torch.fx.Node, env: dict) -> tuple:
+    """`node`'s arguments, its placeholders as `env` gives them (a device node: None)."""
+    return torch.fx.node.map_arg(node.args, env.get)
+
+
 def _stagers(model: torch.fx.GraphModule, env: dict, capacity: Optional[int]) -> list:
     """The nodes of `model` that bring its host inputs to the device, each with its part of the
     buffer; raises for what a graph could not replay."""
@@ -289,12 +290,12 @@ def _stagers(model: torch.fx.GraphModule, env: dict, capacity: Optional[int]) ->
     for node in model.graph.nodes:
         target = model.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(target, (LookupBatch, PooledChain)):
-            stagers.append(_Bags(node, target, *CapturedStep._args(node, env), capacity))
+            stagers.append(_Bags(node, target, *_node_args(node, env), capacity))
         elif isinstance(target, EmbeddingBatch):
             raise ValueError(f"{node.target}: plain embedding lookups give outputs of the batch's own sizes, which a "
                              f"CUDA graph cannot replay")
         elif node.op == "call_function" and node.target is copy_to_device:
-            stagers.append(_Copies(node, CapturedStep._args(node, env)[0]))
+            stagers.append(_Copies(node, _node_args(node, env)[0]))
     for s in stagers:
         device = s.node.args[1] if isinstance(s, _Copies) else None
         computed = [n.name for n in s.node.all_input_nodes if n.op != "placeholder" and n is not device]
