@@ -165,7 +165,8 @@ def bench_fx(args: argparse.Namespace, console) -> int:
     from embfuse.bench.graph import VARIANTS, markdown, measure, write
 
     with console.status("measuring") as status:
-        result = measure(variants=args.fx_variants or VARIANTS, progress=lambda what: status.update(what))
+        result = measure(variants=args.fx_variants or VARIANTS, progress=lambda what: status.update(what),
+                         pinned=args.fx_pinned)
     console.print(markdown(result))
     console.print(f"wrote {write(result, Path(args.out))}")
     return 0
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    "dlrm, latency)")
     p.add_argument("--fx", action="store_true", help="an eager seed-like model as written, under torch.compile "
                    "and under embfuse.fx.optimize (forward and training step, kernels and copies per call)")
+    p.add_argument("--fx-pinned", action="store_true", help="--fx: batches start in pinned host memory (a "
+                   "DataLoader with pin_memory=True), not pageable")
     p.add_argument("--fx-variants", nargs="+", default=None, help="--fx: only these of " + ", ".join(
                    "'" + v + "'" for v in ("eager", "compile", "compile + batch fusions", "optimize",
                                             "optimize + compile", "optimize + CUDA graph")))

@@ -1,6 +1,7 @@
 """`torchrun --nproc_per_node=N -m tests.distributed.torchrun_compare`: every plan and optimizer
 against the unsharded collection, a bad batch on the last rank, a checkpoint from every rank
-loaded into one collection, and TrainPipeline against the plain loop, on this launch's ranks
+loaded into one collection, TrainPipeline against the plain loop, and the overlap pass (eager
+stages, and functional collectives under torch.compile) against the eager model, on this launch's ranks
 (NCCL and CUDA tables when there is a GPU, gloo and CPU tables otherwise)."""
 
 import os
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.test_pipeline import _pipeline_equals_plain_loop
+from tests.fx.test_overlap import _compiled, _overlap
 from tests.distributed.test_sharded import _all_plans, _errors, _save
 
 if __name__ == "__main__":
@@ -28,5 +30,9 @@ if __name__ == "__main__":
         print(f"rank {dist.get_rank()}: full_state_dict loads into one unsharded collection, bitwise")
         _pipeline_equals_plain_loop(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: TrainPipeline trains as the plain loop, bitwise")
+        _overlap(dist.get_rank(), dist.get_world_size(), device)
+        print(f"rank {dist.get_rank()}: the overlap pass's graph trains as the eager model, bitwise")
+        _compiled(dist.get_rank(), dist.get_world_size(), "functional", device)
+        print(f"rank {dist.get_rank()}: the functional overlap trains under torch.compile as the eager model")
     finally:
         dist.destroy_process_group()

@@ -211,7 +211,9 @@ def chain_kernel(features: int = 64, dim: int = 64, batch: int = 4096, mean_leng
 
 
 def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: int = 20, rows=(1_000, 1_000_000),
-            rounds: int = 5, calls: int = 10, variants=VARIANTS, progress=None) -> dict:
+            rounds: int = 5, calls: int = 10, variants=VARIANTS, progress=None, pinned: bool = False) -> dict:
+    """`pinned`: the batches start in pinned host memory (a DataLoader with pin_memory=True), not
+    pageable."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     sizes = table_sizes(features, *rows)
@@ -220,6 +222,8 @@ def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: i
     batches = []
     for _ in range(3):
         ids, offsets = eager_batch(sizes, batch, mean_length, g)
+        if pinned:
+            ids, offsets = [i.pin_memory() for i in ids], [o.pin_memory() for o in offsets]
         batches.append((ids, offsets, torch.rand(batch, 1, generator=g).round().to(device)))
     lr = 0.01
     built = {name: _Graphed(base, batches, lr) if name == "optimize + CUDA graph" else
@@ -256,7 +260,7 @@ def measure(features: int = 64, dim: int = 64, batch: int = 4096, mean_length: i
     floor["host_copy_GBps"] = _host_copy(ids) / 1e9
     floor["host_copy_ms"] = 1e3 * index_bytes / (floor["host_copy_GBps"] * 1e9)
     return {"meta": metadata(device, bandwidth),
-            "model": {"features": features, "dim": dim, "batch": batch, "mean_length": mean_length,
+            "model": {"features": features, "dim": dim, "batch": batch, "mean_length": mean_length, "pinned": pinned,
                       "rows": list(rows), "table_rows_total": sum(sizes)},
             "floor": floor, "rows": [rows_out[n] for n in variants], "chain": chain_kernel(features, dim, batch,
                                                                                           mean_length, rows)}
@@ -280,7 +284,8 @@ def markdown(result: dict) -> str:
     lines += ["", f"Forward floor: {f['forward_floor_ms']:.2f} ms = ids and offsets ({f['index_bytes'] / 1e6:.1f} MB) "
                   f"over the pinned host-to-device bandwidth ({f['pinned_h2d_GBps']:.1f} GB/s): {f['h2d_ms']:.2f} ms, "
                   f"+ the lookup's roofline ({f['distinct_rows']} distinct rows): {f['lookup_roofline_ms']:.2f} ms. "
-                  f"The ids start in pageable host memory: writing them into pinned memory took "
+                  f"The ids start in {'pinned' if result['model'].get('pinned') else 'pageable'} host memory; "
+                  f"writing them into pinned memory took "
                   f"{f['host_copy_ms']:.2f} ms ({f['host_copy_GBps']:.1f} GB/s, 12 host threads) in this run."]
     c = result.get("chain")
     if c:
