@@ -70,13 +70,15 @@ def test_forward_and_training_steps_match_the_model_called_batch_by_batch(device
         torch.testing.assert_close(a, b, msg=name, **_tol(device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_weighted_features_and_a_host_dense_input_take_their_parts_of_the_buffer(device):
+@pytest.mark.parametrize("device,dense_on", [(d, "host") for d in DEVICES] + [(d, d) for d in DEVICES if d != "cpu"])
+def test_weighted_features_and_a_dense_input_take_their_parts_of_the_buffer(device, dense_on):
+    """The dense input on the host takes a part of the buffer; one already on the GPU, a tensor of its own."""
     sizes, dims = [40, 60, 25], [4, 8, 4]
     base = Mixed(sizes, dims, ["sum", "mean", "sum"], [True, False, True], device)
     g = torch.Generator().manual_seed(3)
-    batches = [(*_inputs(sizes, 5, 4, g), torch.randn(5, 3, generator=g), torch.rand(5, 1, generator=g).round())
-               for _ in range(4)]
+    on = "cpu" if dense_on == "host" else dense_on
+    batches = [(*_inputs(sizes, 5, 4, g), torch.randn(5, 3, generator=g).to(on),
+                torch.rand(5, 1, generator=g).round()) for _ in range(4)]
     (fast, opt), (plain, plain_opt) = _pair(base, batches[0][:4])
     assert sum(isinstance(m, embfuse.fx.passes.LookupBatch) for m in fast.modules()) == 2  # weighted, not
     capacity = max(sum(i.numel() for i in b[0]) for b in batches)
@@ -86,6 +88,13 @@ def test_weighted_features_and_a_host_dense_input_take_their_parts_of_the_buffer
                                    **_tol(device))
     for (name, a), b in zip(fast.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name, **_tol(device))
+    ids, offsets, weights, dense, target = batches[0]
+    moved = dense.cpu() if dense_on != "host" else dense.to(device)
+    if moved.device != dense.device:
+        before = {k: v.clone() for k, v in fast.state_dict().items()}
+        with pytest.raises(ValueError, match=f"captured for torch.float32 \\(5, 3\\) on {dense.device}, got "):
+            train(ids, offsets, weights, moved, target)
+        assert all(torch.equal(v, before[k]) for k, v in fast.state_dict().items())
 
 
 @pytest.mark.parametrize("device", DEVICES)

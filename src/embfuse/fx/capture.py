@@ -9,7 +9,8 @@ of the graph and the device work in it:
 - every node that brings host inputs to the device (a LookupBatch, a copy_to_device) reads a
   fixed region of one static device buffer. A LookupBatch's ids (and weights) get `capacity`
   entries: the batch's values, then padding that no bag holds (sparse/padded.py). Batches of any
-  bag lengths then share one shape, and one graph replays them all;
+  bag lengths then share one shape, and one graph replays them all. An input already on the GPU
+  gets a static tensor of its own, filled by a device copy at each call;
 - a call writes its batch into one of two pinned host buffers (the ids end to end, the offsets
   made global and checked, as the model does eagerly), copies that buffer into the static one
   with one non-blocking copy, and replays. With two buffers the host writes batch i + 1 while
@@ -87,26 +88,35 @@ class _Bags:
 
 
 class _Copies:
-    """A copy_to_device node's part of the buffer: one part a tensor, of the example's shape."""
+    """A copy_to_device node's part of the buffer: a part for each host tensor, of the example's
+    shape. A tensor already on the GPU (the model's `.to()` would leave it where it is) gets a
+    static tensor of its own instead, which each call fills with one device copy."""
 
     def __init__(self, node: torch.fx.Node, tensors):
         self.node = node
         for t in tensors:
-            if t.device.type != "cpu" or t.requires_grad:
-                raise ValueError(f"{node.name}: capture stages host tensors that need no grad; got one on "
-                                 f"{t.device} (requires_grad={t.requires_grad})")
-        self.shapes = [(t.shape, t.dtype) for t in tensors]
-        self.parts = [(t.dtype, t.numel()) for t in tensors]
+            if t.requires_grad:
+                raise ValueError(f"{node.name}: capture stages tensors that need no grad; got one that requires grad")
+        self.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        self.statics = [None if t.device.type == "cpu" else torch.empty_like(t) for t in tensors]
+        self.parts = [(t.dtype, t.numel()) for t in tensors if t.device.type == "cpu"]
 
     def write(self, views: list[Tensor], tensors, device) -> None:  # (device: the node's, unused)
-        for view, t, (shape, dtype) in zip(views, tensors, self.shapes):
-            if t.shape != shape or t.dtype != dtype:
-                raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)}, got {t.dtype} "
-                                 f"{tuple(t.shape)}")
-            view.copy_(t.reshape(-1))
+        for k, (t, (shape, dtype, where)) in enumerate(zip(tensors, self.shapes)):
+            if t.shape != shape or t.dtype != dtype or t.device != where:
+                raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)} on {where}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        views = iter(views)
+        for t, static in zip(tensors, self.statics):
+            if static is None:
+                next(views).copy_(t.reshape(-1))
+            else:  # (after the previous replay on this stream, before the next)
+                static.copy_(t, non_blocking=True)
 
     def run(self, views: list[Tensor]) -> tuple:
-        return tuple(v.view(shape) for v, (shape, _) in zip(views, self.shapes))
+        views = iter(views)
+        return tuple(next(views).view(shape) if static is None else static
+                     for static, (shape, _, _) in zip(self.statics, self.shapes))
 
 
 class _Static(torch.fx.Interpreter):
