@@ -23,14 +23,14 @@ of the graph and the device work in it:
   its fused optimizers' state and step counts, and the state of the torch optimizers named
   (state they made during the warm-up, such as momentum, is zeroed: what a fresh one starts from).
 
-The returned outputs are the graph's static tensors: the next call overwrites them. A batch
-that exceeds the capacity, has another batch size or a wider id dtype, or has bad offsets
-raises at the call, from host data, before anything is copied. A bad id is found on the device
-by the graph's own check and raised by the next call (or `embfuse.check_errors()`). That batch
-changes no table or optimizer state (ops/deferred.py), though it still counts in the fused
-optimizers' step counts, which a call advances on the host by what the captured step counted.
-Captured fused optimizers must keep their hyper-parameters fixed (capturing Adam raises; see
-optim/lookup.py).
+The returned outputs are the graph's static tensors: the next call overwrites them. A batch that
+exceeds the capacity, has another batch size or a wider id dtype, or has bad offsets raises at
+the call, from host data, before anything is copied. A bad id is found on the device by the
+graph's own check and raised by the first call after the GPU has run it (or by
+`embfuse.check_errors()`, which waits). That batch changes no table or optimizer state
+(ops/deferred.py), though it still counts in the fused optimizers' step counts, which a call
+advances on the host by what the captured step counted. Captured fused optimizers must keep
+their hyper-parameters fixed (capturing Adam raises; see optim/lookup.py).
 """
 
 from __future__ import annotations
