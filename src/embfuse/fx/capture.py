@@ -87,36 +87,57 @@ class _Bags:
         return self.lookup.lookup_staged(values, offsets, weights[0] if weights else None, self.B)
 
 
-class _Copies:
-    """A copy_to_device node's part of the buffer: a part for each host tensor, of the example's
-    shape. A tensor already on the GPU (the model's `.to()` would leave it where it is) gets a
-    static tensor of its own instead, which each call fills with one device copy."""
+class _Tensors:
+    """Values of fixed shapes staged as captured: a host tensor takes a part of the buffer, one
+    already on the GPU (the model's `.to()` would leave it where it is) a static tensor of its
+    own, which each call fills with one device copy; anything else stays what it was when
+    captured. `labels[k]` names value k in errors."""
+
+    def __init__(self, values, labels):
+        self.labels = labels
+        self.was = [(v.shape, v.dtype, v.device) if isinstance(v, Tensor) else None for v in values]
+        # None: a host tensor's part of the buffer
+        self.kept = [v if not isinstance(v, Tensor) else None if v.device.type == "cpu" else torch.empty_like(v)
+                     for v in values]
+        self.parts = [(v.dtype, v.numel()) for v in values if isinstance(v, Tensor) and v.device.type == "cpu"]
+
+    def check(self, values) -> None:
+        for label, v, was in zip(self.labels, values, self.was):
+            if was is not None and not (isinstance(v, Tensor) and (v.shape, v.dtype, v.device) == was):
+                got = f"{v.dtype} {tuple(v.shape)} on {v.device}" if isinstance(v, Tensor) else type(v).__name__
+                raise ValueError(f"{label}: captured for {was[1]} {tuple(was[0])} on {was[2]}, got {got}")
+
+    def write(self, views: list[Tensor], values) -> None:
+        views = iter(views)
+        for v, was, kept in zip(values, self.was, self.kept):
+            if was is None:
+                continue
+            if kept is None:
+                next(views).copy_(v.reshape(-1))
+            else:  # (after the previous replay on this stream, before the next)
+                kept.copy_(v, non_blocking=True)
+
+    def run(self, views: list[Tensor]) -> list:
+        views = iter(views)
+        return [next(views).view(was[0]) if was is not None and kept is None else kept
+                for was, kept in zip(self.was, self.kept)]
+
+
+class _Copies(_Tensors):
+    """A copy_to_device node's tensors (_Tensors)."""
 
     def __init__(self, node: torch.fx.Node, tensors):
         self.node = node
-        for t in tensors:
-            if t.requires_grad:
-                raise ValueError(f"{node.name}: capture stages tensors that need no grad; got one that requires grad")
-        self.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        self.statics = [None if t.device.type == "cpu" else torch.empty_like(t) for t in tensors]
-        self.parts = [(t.dtype, t.numel()) for t in tensors if t.device.type == "cpu"]
+        if any(t.requires_grad for t in tensors):
+            raise ValueError(f"{node.name}: capture stages tensors that need no grad; got one that requires grad")
+        super().__init__(tensors, [node.name] * len(tensors))
 
     def write(self, views: list[Tensor], tensors, device) -> None:  # (device: the node's, unused)
-        for k, (t, (shape, dtype, where)) in enumerate(zip(tensors, self.shapes)):
-            if t.shape != shape or t.dtype != dtype or t.device != where:
-                raise ValueError(f"{self.node.name}: captured for {dtype} {tuple(shape)} on {where}, got {t.dtype} "
-                                 f"{tuple(t.shape)} on {t.device}")
-        views = iter(views)
-        for t, static in zip(tensors, self.statics):
-            if static is None:
-                next(views).copy_(t.reshape(-1))
-            else:  # (after the previous replay on this stream, before the next)
-                static.copy_(t, non_blocking=True)
+        self.check(tensors)
+        super().write(views, tensors)
 
     def run(self, views: list[Tensor]) -> tuple:
-        views = iter(views)
-        return tuple(next(views).view(shape) if static is None else static
-                     for static, (shape, _, _) in zip(self.statics, self.shapes))
+        return tuple(super().run(views))
 
 
 class _Static(torch.fx.Interpreter):
@@ -151,10 +172,8 @@ class CapturedStep:
         self.device = self._device()
         self.replays = graph and self.device.type == "cuda"
         # the layout: every stager's parts, then the host tensors among the extras
-        self.extras = list(extras)
-        self.host_extras = [i for i, e in enumerate(extras) if isinstance(e, Tensor) and e.device.type == "cpu"]
-        parts = [p for s in self.stagers for p in s.parts] + [(extras[i].dtype, extras[i].numel())
-                                                                 for i in self.host_extras]
+        self.extras = _Tensors(extras, [f"argument {self.n_inputs + i}" for i in range(len(extras))])
+        parts = [p for s in self.stagers for p in s.parts] + self.extras.parts
         # on a GPU two pinned buffers, each reused only once the copy that read it is done (with
         # or without a graph: the copy is non-blocking either way)
         cuda = self.device.type == "cuda"
@@ -168,13 +187,7 @@ class CapturedStep:
             mine = views[at:at + len(s.parts)]
             static[s.node] = lambda s=s, mine=mine: s.run(mine)
             at += len(s.parts)
-        # host extras come over in the buffer; device ones get a tensor of their own
-        self.static_extras = list(extras)
-        for j, i in enumerate(self.host_extras):
-            self.static_extras[i] = views[at + j].view(extras[i].shape)
-        for i, e in enumerate(extras):
-            if isinstance(e, Tensor) and i not in self.host_extras:
-                self.static_extras[i] = torch.empty_like(e)
+        self.static_extras = self.extras.run(views[at:])
         self.interpreter = _Static(model, static)
         self.outputs = None
         self._stage(example_inputs)
@@ -198,16 +211,11 @@ class CapturedStep:
 
     def _stage(self, args) -> None:
         """Write the batch into the next pinned buffer and copy it into the static one."""
-        if len(args) != self.n_inputs + len(self.extras):
-            raise TypeError(f"captured for {self.n_inputs} model inputs and {len(self.extras)} extras, got "
+        if len(args) != self.n_inputs + len(self.extras.was):
+            raise TypeError(f"captured for {self.n_inputs} model inputs and {len(self.extras.was)} extras, got "
                             f"{len(args)} arguments")
         inputs, extras = args[:self.n_inputs], args[self.n_inputs:]
-        for i, (e, was) in enumerate(zip(extras, self.extras)):
-            if isinstance(was, Tensor) and not (isinstance(e, Tensor) and e.shape == was.shape and e.dtype == was.dtype
-                                                and e.device == was.device):
-                got = f"{e.dtype} {tuple(e.shape)} on {e.device}" if isinstance(e, Tensor) else type(e).__name__
-                raise ValueError(f"argument {self.n_inputs + i}: captured for {was.dtype} {tuple(was.shape)} on "
-                                 f"{was.device}, got {got}")
+        self.extras.check(extras)
         env = self._env(inputs)
         k = self.turn
         if self.events[k] is not None:
@@ -216,12 +224,8 @@ class CapturedStep:
         for s in self.stagers:
             s.write(views[at:at + len(s.parts)], *_node_args(s.node, env))
             at += len(s.parts)
-        for j, i in enumerate(self.host_extras):
-            views[at + j].copy_(extras[i].reshape(-1))
+        self.extras.write(views[at:], extras)
         self.buffer.copy_(self.pinned[k].buffer, non_blocking=True)
-        for i, e in enumerate(extras):
-            if isinstance(e, Tensor) and i not in self.host_extras:
-                self.static_extras[i].copy_(e, non_blocking=True)
         if self.events[k] is not None:
             self.events[k].record()
         self.turn = (k + 1) % len(self.pinned)
