@@ -201,11 +201,9 @@ class CapturedStep:
         for s in self.stagers:
             if isinstance(s, _Bags):
                 return s.batch.collection.weights.device
-        for s in self.stagers:  # (a device given as `tensor.device` is a node: the parameters' device then)
-            device = s.node.args[1]
-            if not isinstance(device, torch.fx.Node):
-                return torch.device(device)
-            return next(self.model.parameters()).device
+        if self.stagers:  # copies only: the first one's device (given as `t.device`, a node: the parameters')
+            device = self.stagers[0].node.args[1]
+            return next(self.model.parameters()).device if isinstance(device, torch.fx.Node) else torch.device(device)
         raise ValueError("the model has no batched lookups or host-to-device copies to stage: capture it with "
                          "torch.cuda.graph directly")
 
