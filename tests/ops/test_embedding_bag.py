@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,9 @@ from embfuse.ops.embedding_bag import (
     embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward, embedding_bag_reference,
     table_backward_inputs,
 )
+from embfuse.ops.validate import validate_bags
+
+eb = sys.modules["embfuse.ops.embedding_bag"]  # (the module: embfuse.ops.embedding_bag is also a function)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 from tests.tolerances import assert_close, random_bags
 
@@ -46,6 +51,57 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
         assert ((max_ids < 0) == (ref_ids < 0)).all()
         if dtype == torch.float32:
             assert torch.equal(max_ids, ref_ids)
+
+
+@requires_kernels
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_a_lookup_without_gradients_hands_torchs_offsets_to_the_kernel(mode, monkeypatch):
+    """The public call without gradients, in torch's default form (B starts): the kernel takes
+    them as given (the kernel path forced onto the interpreter here; on a GPU it is the default
+    path); torch's other forms keep the canonical B + 1 offsets; a bad last start still raises."""
+    seen, forward = [], eb.embedding_bag_forward
+    monkeypatch.setattr(eb, "pools_with_kernels", lambda w: True)
+    monkeypatch.setattr(eb, "embedding_bag_forward", lambda *a, **k: seen.append(k["open_end"]) or forward(*a, **k))
+    w = torch.randn(40, 8, device=KERNEL_DEVICE)
+    ids, offsets = random_bags(7, MAX_LEN, 40, KERNEL_DEVICE)
+    with torch.no_grad():
+        for starts, last in ((offsets[:-1], False), (offsets, True)):
+            out = embfuse.embedding_bag(ids, w, starts, mode=mode, include_last_offset=last)
+            ref = F.embedding_bag(ids, w, starts, mode=mode, include_last_offset=last)
+            assert_close(out, ref, torch.float32, reduction=MAX_LEN)
+        assert seen == [True, False]
+        bad = offsets[:-1].clone()
+        bad[-1] = ids.numel() + 1
+        with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[6\\] = {ids.numel() + 1} runs past the end"):
+            embfuse.embedding_bag(ids, w, bad, mode=mode)  # (on the CPU: here; on a GPU: below)
+            embfuse.check_errors()
+
+
+@requires_kernels
+@pytest.mark.parametrize("mode,weighted", [(SUM, True), (MEAN, False), (MAX, False)])
+@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("bad", [False, True])
+def test_kernel_takes_torchs_offsets_without_the_end(mode, weighted, folded, bad):
+    """open_end: the B bag starts of torch's default form (no end), the last bag running to the
+    last id, pool as the B + 1 canonical offsets do, with the check in its own launch or folded
+    in; a last start past the ids pools nothing and is reported with the caller's position."""
+    weight, ids, offsets, psw = _case(8, torch.float32, torch.int64, weighted)
+    starts = offsets[:-1].clone()
+    if bad:
+        starts[-1] = ids.numel() + 1
+    *_, check = validate_bags(ids, starts, weight.shape[0], psw, fresh=False, fold=folded, kernel=True)
+    assert (check.pending is not None) == folded
+    out, _ = embedding_bag_forward(weight, ids, starts, psw, mode, -1, check=check, open_end=True)
+    assert out.shape == (starts.numel(), 8)
+    if bad:
+        assert torch.equal(out, torch.zeros_like(out))
+        with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[{starts.numel() - 1}\\] = {ids.numel() + 1} "
+                                                          f"runs past the end of the input \\({ids.numel()} ids\\)"):
+            embfuse.check_errors()
+        return
+    embfuse.check_errors()
+    ref, _ = embedding_bag_reference(weight.double(), ids, offsets, psw.double() if weighted else None, mode, -1)
+    assert_close(out, ref, torch.float32, reduction=MAX_LEN)
 
 
 @requires_kernels
@@ -141,6 +197,8 @@ def test_functional_matches_torch(device, mode, form, padding_idx):
     ref = F.embedding_bag(x, w_t, offsets, **kw)
     out = embfuse.embedding_bag(x, w_e, offsets, **kw)
     assert_close(out, ref, torch.float32, reduction=5)
+    with torch.no_grad():  # (a lookup without gradients: on a GPU, torch's offsets go to the kernel as given)
+        assert_close(embfuse.embedding_bag(x, w_e, offsets, **kw), ref, torch.float32, reduction=5)
     g = torch.randn_like(ref)
     ref.backward(g)
     out.backward(g)

@@ -78,14 +78,19 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
 
 @triton.jit
 def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_ids, D, stride_w, stride_o, padding_idx,
-                  MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
-                  BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
-    """Pool bag `bag` over column block `col_block`; `ok` (with STATUS): whether the batch's check
-    passed (a batch it found bad pools nothing, ops/validate.py)."""
+                  n, B, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
+                  OPEN_END: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """Pool bag `bag` of B over column block `col_block`; `ok` (with STATUS): whether the batch's
+    check passed (a batch it found bad pools nothing, ops/validate.py). OPEN_END: the offsets are
+    torch's B bag starts and the last bag ends at the n-th id (else bag b ends at offsets[b + 1])."""
     cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     start = tl.load(offsets + bag).to(tl.int64)
-    end = tl.load(offsets + bag + 1).to(tl.int64)
+    if OPEN_END:
+        inner = bag + 1 < B
+        end = tl.where(inner, tl.load(offsets + bag + 1, mask=inner, other=0).to(tl.int64), n)
+    else:
+        end = tl.load(offsets + bag + 1).to(tl.int64)
     if STATUS:
         end = tl.where(ok, end, start)
     result, best, count, wsum = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
@@ -100,23 +105,24 @@ def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_id
 
 @triton.jit
 def _embedding_bag_fwd_kernel(
-    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
+    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx, n, B,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
+    OPEN_END: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr,
 ):
     ok = True
     if STATUS:
         ok = tl.load(status) == 0
     _pool_program(tl.program_id(0).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids, D,
-                  stride_w, stride_o, padding_idx, MODE, HAS_PSW, HAS_PADDING, STATUS, BLOCK_L, BLOCK_D, EVICT)
+                  stride_w, stride_o, padding_idx, n, B, MODE, HAS_PSW, HAS_PADDING, STATUS, OPEN_END, BLOCK_L,
+                  BLOCK_D, EVICT)
 
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _embedding_bag_fwd_checked_kernel(
     weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
-    n, B, num_embeddings, status_next, ring, slot, seq, checks,
-    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
+    n, B, n_offsets, num_embeddings, status_next, ring, slot, seq, checks,
+    MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, OPEN_END: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
 ):
     """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
     time is the host's: one launch instead of two). The first `checks` programs of column block
@@ -125,23 +131,26 @@ def _embedding_bag_fwd_checked_kernel(
     pid = tl.program_id(0)
     if pid < checks:
         if tl.program_id(1) == 0:
-            check_ids_program(pid, checks, indices, n, offsets, B + 1, num_embeddings, status, status_next, ring,
+            check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring,
                               slot, seq, indices, indices, indices, CHECK_BLOCK, True, False)
     else:
         ok = wait_for_check(status, checks) == 0
         _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
-                      D, stride_w, stride_o, padding_idx, MODE, HAS_PSW, HAS_PADDING, True, BLOCK_L, BLOCK_D, EVICT)
+                      D, stride_w, stride_o, padding_idx, n, B, MODE, HAS_PSW, HAS_PADDING, True, OPEN_END, BLOCK_L,
+                      BLOCK_D, EVICT)
 
 
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
-                          with_max_ids=True, status=None, out=None, check=None):
+                          with_max_ids=True, status=None, out=None, check=None, open_end=False):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
+    `open_end`: `offsets` are torch's B bag starts without the end (include_last_offset=False),
+    which the kernels take as they are (the last bag ends at the last id).
     with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
     (None instead), one allocation less on the host path of a small call. `out`: a (B, D)
     tensor of the weight's dtype to write into (tests poison it). `check`: the batch's deferred
     Check (instead of `status`); if its launch is still pending (ops/validate.py validate_bags,
     `fold`), its programs run first in this launch."""
-    B, D = offsets.numel() - 1, weight.shape[1]
+    B, D = offsets.numel() - (0 if open_end else 1), weight.shape[1]  # (a traced numel takes no bool)
     if out is None:
         out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
     max_ids = None
@@ -157,16 +166,19 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         return out, max_ids
     cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing())
     args = (weight, indices, offsets, per_sample_weights if per_sample_weights is not None else weight)
-    flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, **cfg)
+    flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, OPEN_END=open_end,
+                 **cfg)
     if folded is not None:
-        checks = folded_checks(indices.numel(), B + 1)
+        checks = folded_checks(indices.numel(), offsets.numel())
         launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
             *args, folded[0], out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-            indices.numel(), B, weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK, **flags)
+            indices.numel(), B, offsets.numel(), weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
+            **flags)
         return out, max_ids
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),
-        out.stride(0), padding_idx, STATUS=status is not None, **flags)
+        out.stride(0), padding_idx, *((indices.numel(), B) if open_end else (0, 0)), STATUS=status is not None,
+        **flags)
     return out, max_ids
 
 
@@ -207,12 +219,19 @@ def embedding_bag_backward(grad, indices, offsets, per_sample_weights, max_ids, 
                      functools.partial(table_backward_inputs, kernel=True, status=status))
 
 
-def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None):
+def pools_with_kernels(weight) -> bool:
+    """Whether `pool` takes the Triton kernel for this table (else torch ops)."""
+    return use_kernels(weight) and weight.dtype != torch.float64 and row_major(weight)
+
+
+def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None,
+         open_end=False):
     """The forward without the op's dispatch: (output, max ids), kernel or reference by device.
-    `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in)."""
-    if use_kernels(weight) and weight.dtype != torch.float64 and row_major(weight):
+    `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in).
+    `open_end`: B offsets without the end (kernels only: see embedding_bag_forward)."""
+    if pools_with_kernels(weight):
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                     with_max_ids=with_max_ids, status=status, check=check)
+                                     with_max_ids=with_max_ids, status=status, check=check, open_end=open_end)
     if check is not None:
         status = check.status
     if status is not None:  # torch ops would fault on a bad id: a bad batch pools nothing
@@ -360,8 +379,9 @@ def _fixed_offsets(B: int, L: int, device, dtype) -> Tensor:
     return _fixed_offsets_cached(B, L, device, dtype)
 
 
-def _canonical(input, offsets, per_sample_weights, include_last_offset):
-    """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None)."""
+def _canonical(input, offsets, per_sample_weights, include_last_offset, open_end=False):
+    """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None). `open_end`: B given
+    offsets stay B (embedding_bag_forward's open_end), which saves two tensor ops a call."""
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("offsets has to be None if input is 2-D (fixed hotness: each row is a bag)")
@@ -378,7 +398,8 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
         if offsets.numel() == 0:
             offsets = offsets.new_zeros(1)
         elif not include_last_offset:
-            offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
+            if not open_end:
+                offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
         else:
             # torch's tested rule (its test from pytorch issue 89677): the last bag runs to the
             # end of the input whatever the last offset says; one past the end is still an error
@@ -392,11 +413,13 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset):
 
 def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
                  per_sample_weights, include_last_offset, padding_idx, bounds_check, name, fresh=True, remap=None,
-                 fold=False):
+                 fold=False, open_end=False):
     """Check and canonicalise torch-style arguments (and apply max_norm): returns the
-    (indices, offsets, per_sample_weights, mode number, padding_idx, check) that the ops take;
-    `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its status must
-    outlive later calls (an autograd backward will read it). `remap`, `fold`: validate_bags'."""
+    (indices, offsets, per_sample_weights, mode number, padding_idx, check, open_end) that the
+    ops take; `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its
+    status must outlive later calls (an autograd backward will read it). `remap`, `fold`:
+    validate_bags'. `open_end` (the caller pools with embedding_bag_forward): torch's B offsets
+    without the end may stay so; the last element returned says whether they did."""
     check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -427,7 +450,12 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     padding_idx = padding_index(padding_idx, num_embeddings)
     shape = input.shape
     given = None if offsets is None else offsets.numel()
-    indices, offsets, per_sample_weights = _canonical(input, offsets, per_sample_weights, include_last_offset)
+    # (the check reads B offsets as it reads B + 1: the same verdicts and messages; "skip"
+    # compacts and max_norm renormalises with the canonical form)
+    open_end = bool(open_end and given and input.dim() == 1 and not include_last_offset and max_norm is None
+                    and bounds_check in ("deferred", "off"))
+    indices, offsets, per_sample_weights = _canonical(input, offsets, per_sample_weights, include_last_offset,
+                                                      open_end)
     if max_norm is not None and bounds_check == "deferred":
         bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
     indices, offsets, per_sample_weights, check = validate_bags(
@@ -436,7 +464,7 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight
-    return indices, offsets, per_sample_weights, POOLINGS[mode], padding_idx, check
+    return indices, offsets, per_sample_weights, POOLINGS[mode], padding_idx, check, open_end
 
 
 def embedding_bag(
@@ -482,9 +510,10 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     that records no gradient): the check rewrites the ids to read hot rows from their copy, and
     the pooling runs under its persisting window."""
     grad = needs_op(weight, per_sample_weights)
-    indices, offsets, per_sample_weights, mode, padding_idx, check = prepare_bags(
+    indices, offsets, per_sample_weights, mode, padding_idx, check, open_end = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident, fold=not grad)
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident, fold=not grad,
+        open_end=not grad and resident is None and pools_with_kernels(weight))
     if grad:
         status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
@@ -492,5 +521,5 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     else:
         with window(resident):
             out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
-                          check=check)
+                          check=check, open_end=open_end)
     return out

@@ -320,7 +320,7 @@ def fused_embedding_bag(fused: FusedOptimizer, input, weight, offsets=None, max_
                         name="input"):
     """`embfuse.embedding_bag` whose backward updates `weight` with `fused` instead of a gradient."""
     _unsupported(weight, scale_grad_by_freq, sparse, mode)
-    indices, offsets, psw, mode, padding_idx, check = prepare_bags(
+    indices, offsets, psw, mode, padding_idx, check, _ = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx, bounds_check, name, fold=True)
     return _lookup(_BagCall, fused, (mode, padding_idx), weight.detach(), check, 0, indices, offsets, psw)
