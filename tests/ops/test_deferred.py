@@ -274,3 +274,26 @@ def test_compiled_lookup_is_checked():
     assert torch.equal(f(bad), torch.zeros(8, 4, device=dev))
     with pytest.raises(IndexError, match=r"input\[1, 1\] = 11"):
         check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("last", [False, True])
+def test_compiled_lookup_takes_torchs_offsets(last):
+    """A compiled lookup without gradients given 1-D ids and torch's offsets (B starts, or B + 1
+    with include_last_offset), which the eager call hands to the kernel as given: torch's result,
+    and a last offset past the ids reported at the next check point."""
+    dev = "cuda"
+    torch._dynamo.reset()
+    w = torch.randn(10, 4, device=dev)
+    ids = torch.randint(0, 10, (9,), device=dev)
+    offsets = torch.tensor([0, 2, 2, 7] + [9] * last, device=dev)
+    f = torch.compile(lambda i, o: embfuse.embedding_bag(i, w, o, include_last_offset=last) * 2, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(ids, offsets), 2 * torch.nn.functional.embedding_bag(
+            ids, w, offsets, include_last_offset=last))
+        check_errors()
+        bad = offsets.clone()
+        bad[-1] = 10
+        f(ids, bad)
+    with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[{3 + last}\\] = 10 runs past the end"):
+        check_errors()

@@ -56,46 +56,57 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
 @requires_kernels
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_a_lookup_without_gradients_hands_torchs_offsets_to_the_kernel(mode, monkeypatch):
-    """The public call without gradients, in torch's default form (B starts): the kernel takes
-    them as given (the kernel path forced onto the interpreter here; on a GPU it is the default
-    path); torch's other forms keep the canonical B + 1 offsets; a bad last start still raises."""
+    """The public call without gradients: the kernel takes torch's offsets as given, B starts or
+    B + 1 with include_last_offset (the kernel path forced onto the interpreter here; on a GPU it
+    is the default path); a lookup with gradients keeps the canonical B + 1; a bad last start or
+    end still raises."""
     seen, forward = [], eb.embedding_bag_forward
     monkeypatch.setattr(eb, "pools_with_kernels", lambda w: True)
     monkeypatch.setattr(eb, "embedding_bag_forward", lambda *a, **k: seen.append(k["open_end"]) or forward(*a, **k))
     w = torch.randn(40, 8, device=KERNEL_DEVICE)
     ids, offsets = random_bags(7, MAX_LEN, 40, KERNEL_DEVICE)
+    short = offsets.clone()
+    short[-1] = offsets[-2]  # the last bag runs to the end of the ids all the same (see the test below)
     with torch.no_grad():
-        for starts, last in ((offsets[:-1], False), (offsets, True)):
-            out = embfuse.embedding_bag(ids, w, starts, mode=mode, include_last_offset=last)
-            ref = F.embedding_bag(ids, w, starts, mode=mode, include_last_offset=last)
+        for given, last in ((offsets[:-1], False), (offsets, True)):
+            out = embfuse.embedding_bag(ids, w, given, mode=mode, include_last_offset=last)
+            ref = F.embedding_bag(ids, w, given, mode=mode, include_last_offset=last)
             assert_close(out, ref, torch.float32, reduction=MAX_LEN)
-        assert seen == [True, False]
-        bad = offsets[:-1].clone()
-        bad[-1] = ids.numel() + 1
-        with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[6\\] = {ids.numel() + 1} runs past the end"):
-            embfuse.embedding_bag(ids, w, bad, mode=mode)  # (on the CPU: here; on a GPU: below)
-            embfuse.check_errors()
+        assert torch.equal(embfuse.embedding_bag(ids, w, short, mode=mode, include_last_offset=True), out)
+        assert seen == ["starts", "last", "last"]
+        past = ids.numel() + 1
+        for given, last, position in ((offsets[:-1].clone(), False, 6), (offsets.clone(), True, 7)):
+            given[-1] = past
+            with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[{position}\\] = {past} runs past the end"):
+                embfuse.embedding_bag(ids, w, given, mode=mode, include_last_offset=last)  # (CPU: here; GPU: below)
+                embfuse.check_errors()
 
 
 @requires_kernels
 @pytest.mark.parametrize("mode,weighted", [(SUM, True), (MEAN, False), (MAX, False)])
+@pytest.mark.parametrize("form", ["starts", "last"])
 @pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("bad", [False, True])
-def test_kernel_takes_torchs_offsets_without_the_end(mode, weighted, folded, bad):
-    """open_end: the B bag starts of torch's default form (no end), the last bag running to the
-    last id, pool as the B + 1 canonical offsets do, with the check in its own launch or folded
-    in; a last start past the ids pools nothing and is reported with the caller's position."""
+def test_kernel_takes_torchs_offsets_as_given(mode, weighted, form, folded, bad):
+    """open_end: torch's offsets as given, the last bag running to the last id, pool as the B + 1
+    canonical offsets do, with the check in its own launch or folded in: "starts", the B bag
+    starts of its default form; "last", include_last_offset's B + 1 whose last may say less than
+    the id count (read as the id count) but not more. A last offset past the ids pools nothing
+    and is reported with the caller's position."""
     weight, ids, offsets, psw = _case(8, torch.float32, torch.int64, weighted)
-    starts = offsets[:-1].clone()
+    given = offsets[:-1].clone() if form == "starts" else offsets.clone()
+    if form == "last":
+        given[-1] = offsets[-2] - 1  # less than the last start, even: torch ends the last bag at the ids' end
     if bad:
-        starts[-1] = ids.numel() + 1
-    *_, check = validate_bags(ids, starts, weight.shape[0], psw, fresh=False, fold=folded, kernel=True)
+        given[-1] = ids.numel() + 1
+    *_, check = validate_bags(ids, given, weight.shape[0], psw, fresh=False, fold=folded, kernel=True,
+                              clamp_last=form == "last")
     assert (check.pending is not None) == folded
-    out, _ = embedding_bag_forward(weight, ids, starts, psw, mode, -1, check=check, open_end=True)
-    assert out.shape == (starts.numel(), 8)
+    out, _ = embedding_bag_forward(weight, ids, given, psw, mode, -1, check=check, open_end=form)
+    assert out.shape == (offsets.numel() - 1, 8)
     if bad:
         assert torch.equal(out, torch.zeros_like(out))
-        with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[{starts.numel() - 1}\\] = {ids.numel() + 1} "
+        with pytest.raises(embfuse.BadBatchError, match=f"offsets\\[{given.numel() - 1}\\] = {ids.numel() + 1} "
                                                           f"runs past the end of the input \\({ids.numel()} ids\\)"):
             embfuse.check_errors()
         return
@@ -502,7 +513,9 @@ def test_padding_contributes_nothing_even_nan(device, sparse, mode):
 @pytest.mark.parametrize("padding_idx", [None, 61])
 def test_include_last_offset_last_bag_runs_to_the_end(device, mode, padding_idx):
     """With include_last_offset the last bag ends at the end of the input, whatever the last
-    offset (torch's tested behaviour, pytorch issue 89677), in every mode (issue 17 item 13)."""
+    offset (torch's tested behaviour, pytorch issue 89677), in every mode (issue 17 item 13). So
+    do torch's CUDA kernels, checked on the H100 with torch 2.11 (offsets [0, 3, 3], [0, 3, 1]);
+    its CPU sum and mean stop at a last offset under the id count (2.13)."""
     w = torch.randn(100, 3, device=device)
     ids = torch.tensor([0, 1, 2, 3], device=device)
     pool = {"sum": lambda r: r.sum(0), "mean": lambda r: r.mean(0), "max": lambda r: r.max(0).values}[mode]

@@ -72,9 +72,12 @@ def wait_for_check(status, programs):
 
 @triton.jit
 def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot,
-                      seq, out, info, words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+                      seq, out, info, words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr,
+                      CLAMP_LAST: tl.constexpr = False):
     """Program `pid` of `programs` of the check of one table's ids: positions pid * BLOCK on.
     Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
+    CLAMP_LAST: the last offset reads as at least n (torch's include_last_offset rule: the last
+    bag runs to the end of the ids whatever it says; past the end is still an error).
     REMAP: also write each id as the lookup should read it, hot rows from their resident copy
     (ops/residency.py), into `out`; without CHECK that is all (a batch not checked). Program 0
     also clears `status_next`, the status of the next call (see DeviceLog)."""
@@ -90,6 +93,9 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
         cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
         has_next = pos < n_offsets - 1
         nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+        if CLAMP_LAST:
+            cur = tl.where(pos == n_offsets - 1, tl.maximum(cur, n), cur)
+            nxt = tl.where(pos + 1 == n_offsets - 1, tl.maximum(nxt, n), nxt)
         # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
         bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
         flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
@@ -100,10 +106,10 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
-                      words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr):
+                      words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr, CLAMP_LAST: tl.constexpr):
     """check_ids_program, a program a block."""
     check_ids_program(tl.program_id(0), tl.num_programs(0), indices, n, offsets, n_offsets, num_embeddings, status,
-                      status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP)
+                      status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP, CLAMP_LAST)
 
 
 @triton.jit
@@ -465,16 +471,17 @@ def _check_args(log, check, dummy) -> tuple:
     return check.status, log.next_status(check), log.ring, check.slot, check.seq
 
 
-def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None, out=None):
+def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None, out=None, clamp_last=False):
     """The check of one table's ids (and offsets); with a `resident` (ops/residency.py) it also
-    writes the ids to read into `out`; with `check` None it only does that."""
+    writes the ids to read into `out`; with `check` None it only does that. `clamp_last`:
+    check_ids_program's CLAMP_LAST."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.CHECK_BLOCK
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices, n_off, num_embeddings,
         *_check_args(log, check, indices), out if out is not None else indices,
         resident.info if resident is not None else indices, resident.words if resident is not None else indices,
-        BLOCK=block, CHECK=check is not None, REMAP=resident is not None)
+        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last)
 
 
 def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):

@@ -29,8 +29,8 @@ from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
-                                  check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
-                                  validate_bags)
+                                  check_index_dtype, check_weight, clamp_last_offset, guard, padding_index, row_major,
+                                  sparse_layout, validate_bags)
 
 
 def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
@@ -81,8 +81,8 @@ def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_id
                   n, B, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
                   OPEN_END: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
     """Pool bag `bag` of B over column block `col_block`; `ok` (with STATUS): whether the batch's
-    check passed (a batch it found bad pools nothing, ops/validate.py). OPEN_END: the offsets are
-    torch's B bag starts and the last bag ends at the n-th id (else bag b ends at offsets[b + 1])."""
+    check passed (a batch it found bad pools nothing, ops/validate.py). OPEN_END: the last bag ends
+    at the n-th id and offsets[B] is never read (else bag b ends at offsets[b + 1])."""
     cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     start = tl.load(offsets + bag).to(tl.int64)
@@ -123,6 +123,7 @@ def _embedding_bag_fwd_checked_kernel(
     n, B, n_offsets, num_embeddings, status_next, ring, slot, seq, checks,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, OPEN_END: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
+    CLAMP_LAST: tl.constexpr,
 ):
     """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
     time is the host's: one launch instead of two). The first `checks` programs of column block
@@ -132,7 +133,7 @@ def _embedding_bag_fwd_checked_kernel(
     if pid < checks:
         if tl.program_id(1) == 0:
             check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring,
-                              slot, seq, indices, indices, indices, CHECK_BLOCK, True, False)
+                              slot, seq, indices, indices, indices, CHECK_BLOCK, True, False, CLAMP_LAST)
     else:
         ok = wait_for_check(status, checks) == 0
         _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
@@ -141,16 +142,17 @@ def _embedding_bag_fwd_checked_kernel(
 
 
 def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx, config=None,
-                          with_max_ids=True, status=None, out=None, check=None, open_end=False):
+                          with_max_ids=True, status=None, out=None, check=None, open_end=None):
     """Triton launcher for the canonical form; same results as `embedding_bag_reference`.
-    `open_end`: `offsets` are torch's B bag starts without the end (include_last_offset=False),
-    which the kernels take as they are (the last bag ends at the last id).
+    `open_end`: the offsets are torch's as given and the last bag ends at the last id: "starts",
+    B bag starts (include_last_offset=False); "last", B + 1 offsets whose last the pooling never
+    reads and a folded check reads as at least the id count (include_last_offset=True).
     with_max_ids=False (eager calls that drop it): no empty max_ids tensor outside max mode
     (None instead), one allocation less on the host path of a small call. `out`: a (B, D)
     tensor of the weight's dtype to write into (tests poison it). `check`: the batch's deferred
     Check (instead of `status`); if its launch is still pending (ops/validate.py validate_bags,
     `fold`), its programs run first in this launch."""
-    B, D = offsets.numel() - (0 if open_end else 1), weight.shape[1]  # (a traced numel takes no bool)
+    B, D = offsets.numel() - (0 if open_end == "starts" else 1), weight.shape[1]
     if out is None:
         out = torch.empty(B, D, dtype=weight.dtype, device=weight.device)
     max_ids = None
@@ -166,19 +168,19 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         return out, max_ids
     cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing())
     args = (weight, indices, offsets, per_sample_weights if per_sample_weights is not None else weight)
-    flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0, OPEN_END=open_end,
-                 **cfg)
+    flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0,
+                 OPEN_END=open_end is not None, **cfg)
     if folded is not None:
         checks = folded_checks(indices.numel(), offsets.numel())
         launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
             *args, folded[0], out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
             indices.numel(), B, offsets.numel(), weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
-            **flags)
+            CLAMP_LAST=open_end == "last", **flags)
         return out, max_ids
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),
-        out.stride(0), padding_idx, *((indices.numel(), B) if open_end else (0, 0)), STATUS=status is not None,
-        **flags)
+        out.stride(0), padding_idx, *((indices.numel(), B) if open_end is not None else (0, 0)),
+        STATUS=status is not None, **flags)
     return out, max_ids
 
 
@@ -225,10 +227,10 @@ def pools_with_kernels(weight) -> bool:
 
 
 def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None,
-         open_end=False):
+         open_end=None):
     """The forward without the op's dispatch: (output, max ids), kernel or reference by device.
     `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in).
-    `open_end`: B offsets without the end (kernels only: see embedding_bag_forward)."""
+    `open_end`: torch's offsets as given (kernels only: see embedding_bag_forward)."""
     if pools_with_kernels(weight):
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                      with_max_ids=with_max_ids, status=status, check=check, open_end=open_end)
@@ -380,8 +382,9 @@ def _fixed_offsets(B: int, L: int, device, dtype) -> Tensor:
 
 
 def _canonical(input, offsets, per_sample_weights, include_last_offset, open_end=False):
-    """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None). `open_end`: B given
-    offsets stay B (embedding_bag_forward's open_end), which saves two tensor ops a call."""
+    """torch's input forms -> (1-D ids, B+1 offsets, 1-D weights or None). `open_end`: 1-D
+    input's offsets stay as given (embedding_bag_forward's open_end), which saves the two to four
+    tensor ops a call that make the last offset the id count."""
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("offsets has to be None if input is 2-D (fixed hotness: each row is a bag)")
@@ -397,13 +400,12 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset, open_end
         indices = input
         if offsets.numel() == 0:
             offsets = offsets.new_zeros(1)
+        elif open_end:
+            pass
         elif not include_last_offset:
-            if not open_end:
-                offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
+            offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
         else:
-            # torch's tested rule (its test from pytorch issue 89677): the last bag runs to the
-            # end of the input whatever the last offset says; one past the end is still an error
-            offsets = torch.cat([offsets[:-1], offsets[-1:].clamp(min=input.numel())])
+            offsets = clamp_last_offset(offsets, input.numel())
     else:
         raise BadArgumentError(f"input has to be 1D or 2D Tensor, got shape {tuple(input.shape)}")
     if per_sample_weights is not None:
@@ -418,8 +420,9 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     (indices, offsets, per_sample_weights, mode number, padding_idx, check, open_end) that the
     ops take; `check` is the batch's deferred Check (ops/validate.py) or None. `fresh`: its
     status must outlive later calls (an autograd backward will read it). `remap`, `fold`:
-    validate_bags'. `open_end` (the caller pools with embedding_bag_forward): torch's B offsets
-    without the end may stay so; the last element returned says whether they did."""
+    validate_bags'. `open_end` (the caller pools with embedding_bag_forward): torch's offsets may
+    stay as given; the last element returned is embedding_bag_forward's open_end for them (None:
+    the canonical B + 1)."""
     check_weight(weight, "embedding_bag")
     check_index_dtype(name, input)
     check_bounds_mode(bounds_check)
@@ -450,17 +453,17 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
     padding_idx = padding_index(padding_idx, num_embeddings)
     shape = input.shape
     given = None if offsets is None else offsets.numel()
-    # (the check reads B offsets as it reads B + 1: the same verdicts and messages; "skip"
-    # compacts and max_norm renormalises with the canonical form)
-    open_end = bool(open_end and given and input.dim() == 1 and not include_last_offset and max_norm is None
-                    and bounds_check in ("deferred", "off"))
+    # (the check reads B starts as it reads B + 1 offsets, and with clamp_last torch's own B + 1:
+    # the same verdicts and messages; "skip" compacts and max_norm renormalises the canonical form)
+    open_end = (("last" if include_last_offset else "starts") if open_end and given and input.dim() == 1
+                and max_norm is None and bounds_check in ("deferred", "off") else None)
     indices, offsets, per_sample_weights = _canonical(input, offsets, per_sample_weights, include_last_offset,
                                                       open_end)
     if max_norm is not None and bounds_check == "deferred":
         bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
     indices, offsets, per_sample_weights, check = validate_bags(
         indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check,
-        given_offsets=given, fresh=fresh, remap=remap, fold=fold)
+        given_offsets=given, fresh=fresh, remap=remap, fold=fold, clamp_last=open_end == "last")
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight

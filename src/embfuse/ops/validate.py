@@ -178,20 +178,31 @@ def _bad_value_message(values, offsets, limits, B, keys, tables, positions=None)
             bad.numel())
 
 
+def clamp_last_offset(offsets, n):
+    """torch's include_last_offset rule: the last bag runs to the end of the input whatever the
+    last offset says (its test from pytorch issue 89677); one past the end is still an error."""
+    return torch.cat([offsets[:-1], offsets[-1:].clamp(min=n)])
+
+
 def _offsets_bad(offsets, n) -> bool:
     return offsets is not None and offsets.numel() > 0 and bool(
         (offsets[1:] < offsets[:-1]).any() | (offsets[0] != 0) | (offsets[-1] > n))
 
 
-def _ids_flags_reference(indices, offsets, num_embeddings) -> int:
+def _ids_flags_reference(indices, offsets, num_embeddings, clamp_last=False) -> int:
+    if clamp_last:
+        offsets = clamp_last_offset(offsets, indices.numel())
     bad_id = bool(((indices < 0) | (indices >= num_embeddings)).any())
     return BAD_ID * bad_id + BAD_OFFSETS * _offsets_bad(offsets, indices.numel())
 
 
-def _raise_ids(indices, offsets, num_embeddings, shape, name, given, skip_ids=False):
+def _raise_ids(indices, offsets, num_embeddings, shape, name, given, skip_ids=False, clamp_last=False):
     """The exact error of a single-table batch, if it has one (host reads: the slow path);
-    `skip_ids`: only bad offsets raise (bounds_check="skip" drops bad ids)."""
+    `skip_ids`: only bad offsets raise (bounds_check="skip" drops bad ids); `clamp_last`:
+    validate_bags'."""
     n = indices.numel()
+    if clamp_last:
+        offsets = clamp_last_offset(offsets, n)
     if _offsets_bad(offsets, n):
         raise_bad_offsets(offsets, n, name, given)
     if not skip_ids and n and bool(((indices < 0) | (indices >= num_embeddings)).any()):
@@ -269,8 +280,9 @@ def _(indices, offsets, num_embeddings, shape, name, given, bounds_check):
 
 def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, shape=None, name="input",
                   bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None, remap=None,
-                  fold=False):
-    """Check a canonical single-table bag batch (1-D ids, B+1 offsets).
+                  fold=False, clamp_last=False):
+    """Check a canonical single-table bag batch (1-D ids, B+1 offsets; or torch's B bag starts,
+    or with `clamp_last` B+1 offsets whose last reads as at least the id count: clamp_last_offset).
 
     Returns (indices, offsets, per_sample_weights, check): the tensors to use (compacted copies
     when "skip" drops bad ids) and the deferred Check whose status the kernels read (None when
@@ -286,15 +298,17 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
     shape = indices.shape if shape is None else shape
     if tracing():
         prepare_log(str(indices.device))
-        status = _check_ids_op(indices, offsets, num_embeddings, list(shape), name,
+        # (the registered check takes canonical offsets; a traced call's host time is free)
+        ends = clamp_last_offset(offsets, indices.numel()) if clamp_last else offsets
+        status = _check_ids_op(indices, ends, num_embeddings, list(shape), name,
                                -1 if given_offsets is None else given_offsets, traced_mode(bounds_check))
         return indices, offsets, per_sample_weights, TracedCheck(status)
     check, keep = _validate(
         indices, bounds_check, fresh, kernel, "embedding_bag",
-        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, remap, out),
-        lambda: _ids_flags_reference(indices, offsets, num_embeddings),
+        lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, remap, out, clamp_last),
+        lambda: _ids_flags_reference(indices, offsets, num_embeddings, clamp_last),
         functools.partial(_raise_ids, indices, offsets, num_embeddings, shape, name, given_offsets,
-                          bounds_check == "skip"),
+                          bounds_check == "skip", clamp_last),
         lambda: (indices >= 0) & (indices < num_embeddings),
         lambda: _bad_id_message(indices, shape, num_embeddings, name),
         fold and remap is None and indices.numel() <= tuning.FOLD_IDS)
