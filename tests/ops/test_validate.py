@@ -1,3 +1,4 @@
+import unittest.mock
 import warnings
 
 import pytest
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import embfuse
+from embfuse.ops import tuning
 from embfuse.ops.deferred import BAD_ID, BAD_OFFSETS, check_errors
 from embfuse.ops.validate import _ids_flags_reference, validate_bags
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
@@ -102,22 +104,52 @@ def test_bad_bounds_check_mode():
 
 
 @requires_kernels
+@pytest.mark.parametrize("fault,message", [
+    ("id", r"input\[9\] = 99"), ("decrease", r"offsets\[8\] = 7 > offsets\[9\] = 6"),
+    ("past", r"offsets\[11\] = 11 runs past the end"), (None, None)])
+def test_check_reads_ids_and_offsets_in_every_block(fault, message):
+    """Blocks of 4: ids and offsets (more offsets than ids: empty bags) spread over programs; a
+    fault only a later program holds is found."""
+    ids = torch.arange(10, device=KERNEL_DEVICE) % N
+    offsets = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 7, 7, 8, 10], device=KERNEL_DEVICE)
+    if fault == "id":
+        ids[9] = 99
+    elif fault == "decrease":
+        offsets[9] = 6
+    elif fault == "past":
+        offsets[11] = 11
+    with unittest.mock.patch.object(tuning, "IDS_CHECK_BLOCK", 4):
+        validate_bags(ids, offsets, N, kernel=True, fresh=True)
+    if fault is None:
+        check_errors()
+        return
+    with pytest.raises((IndexError, ValueError), match=message):
+        check_errors()
+
+
+@requires_kernels
 @settings(max_examples=40, deadline=None)
 @given(
     ids=st.lists(st.integers(-3, N + 3), max_size=40),
     cuts=st.lists(st.integers(-2, 45), min_size=1, max_size=8),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    clamp_last=st.booleans(),
+    block=st.sampled_from([4, tuning.IDS_CHECK_BLOCK]),
 )
-def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
+def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last, block):
     """The check kernel's deferred flags and the torch-op check agree on any input, and the
-    deferred error is the one the torch-op check raises at once."""
+    deferred error is the one the torch-op check raises at once; with `clamp_last` the last
+    offset reads as at least the id count (include_last_offset's offsets as given). A block of
+    4 ids spreads ids and offsets over several programs."""
     ids_t = torch.tensor(ids, dtype=index_dtype, device=KERNEL_DEVICE)
     off_t = torch.tensor(cuts, dtype=index_dtype, device=KERNEL_DEVICE)
-    expected = _ids_flags_reference(ids_t, off_t, N)
+    expected = _ids_flags_reference(ids_t, off_t, N, clamp_last)
     bad_ids = any(not 0 <= i < N for i in ids)
-    bad_off = cuts[0] != 0 or cuts[-1] > len(ids) or any(b < a for a, b in zip(cuts, cuts[1:]))
+    ends = cuts[:-1] + [max(cuts[-1], len(ids))] if clamp_last else cuts
+    bad_off = ends[0] != 0 or ends[-1] > len(ids) or any(b < a for a, b in zip(ends, ends[1:]))
     assert expected == BAD_ID * bad_ids + BAD_OFFSETS * bad_off
-    *_, check = validate_bags(ids_t, off_t, N, kernel=True, fresh=True)
+    with unittest.mock.patch.object(tuning, "IDS_CHECK_BLOCK", block):
+        *_, check = validate_bags(ids_t, off_t, N, kernel=True, fresh=True, clamp_last=clamp_last)
     assert int(check.status[0]) == expected
     if not expected:
         check_errors()
@@ -126,7 +158,7 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype):
     with pytest.raises((IndexError, ValueError)) as deferred:
         check_errors()
     with pytest.raises((IndexError, ValueError)) as at_once:
-        validate_bags(ids_t, off_t, N, kernel=False, bounds_check="sync")
+        validate_bags(ids_t, off_t, N, kernel=False, bounds_check="sync", clamp_last=clamp_last)
     assert str(deferred.value).startswith(str(at_once.value))
     assert isinstance(deferred.value, RuntimeError) and isinstance(at_once.value, RuntimeError)
     assert check.bad is True

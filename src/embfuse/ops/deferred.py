@@ -81,24 +81,29 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
     REMAP: also write each id as the lookup should read it, hot rows from their resident copy
     (ops/residency.py), into `out`; without CHECK that is all (a batch not checked). Program 0
     also clears `status_next`, the status of the next call (see DeviceLog)."""
-    pos = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_ids = pos < n
-    ids = tl.load(indices + pos, mask=in_ids, other=0)
+    # lanes count in int32 from the block's int64 start (fewer registers, as the keyed check's:
+    # benchmarks/NOTES.md, session 16), and only blocks that hold offsets read them
+    start = pid.to(tl.int64) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    in_ids = lanes < tl.maximum(tl.minimum(n - start, BLOCK), 0).to(tl.int32)
+    ids = tl.load(indices + start + lanes, mask=in_ids, other=0)
     if REMAP:
         ok = in_ids & (ids >= 0) & (ids < num_embeddings)
         new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
-        tl.store(out + pos, new.to(out.dtype.element_ty), mask=in_ids)
+        tl.store(out + start + lanes, new.to(out.dtype.element_ty), mask=in_ids)
     if CHECK:
-        bad_id = in_ids & ((ids < 0) | (ids >= num_embeddings))
-        cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
-        has_next = pos < n_offsets - 1
-        nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
-        if CLAMP_LAST:
-            cur = tl.where(pos == n_offsets - 1, tl.maximum(cur, n), cur)
-            nxt = tl.where(pos + 1 == n_offsets - 1, tl.maximum(nxt, n), nxt)
-        # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
-        bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
-        flags = tl.max(bad_id.to(tl.int32)) * K_BAD_ID + tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
+        flags = tl.max((in_ids & ((ids < 0) | (ids >= num_embeddings))).to(tl.int32)) * K_BAD_ID
+        if start < n_offsets:
+            pos = start + lanes
+            cur = tl.load(offsets + pos, mask=pos < n_offsets, other=0)
+            has_next = pos < n_offsets - 1
+            nxt = tl.load(offsets + pos + 1, mask=has_next, other=0)
+            if CLAMP_LAST:
+                cur = tl.where(pos == n_offsets - 1, tl.maximum(cur, n), cur)
+                nxt = tl.where(pos + 1 == n_offsets - 1, tl.maximum(nxt, n), nxt)
+            # offsets[0] == 0 and offsets[-1] <= n are checked by the lanes that hold those entries
+            bad_off = (has_next & (nxt < cur)) | ((pos == 0) & (cur != 0)) | ((pos == n_offsets - 1) & (cur > n))
+            flags = flags | tl.max(bad_off.to(tl.int32)) * K_BAD_OFFSETS
         if pid == 0:
             tl.store(status_next + tl.arange(0, 2), tl.zeros([2], tl.int32))
         _report(status, ring, slot, seq, flags, programs)
@@ -476,12 +481,13 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
     writes the ids to read into `out`; with `check` None it only does that. `clamp_last`:
     check_ids_program's CLAMP_LAST."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
-    block = tuning.CHECK_BLOCK
+    block = tuning.IDS_CHECK_BLOCK
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices, n_off, num_embeddings,
         *_check_args(log, check, indices), out if out is not None else indices,
         resident.info if resident is not None else indices, resident.words if resident is not None else indices,
-        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last)
+        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
+        num_warps=tuning.IDS_CHECK_WARPS)
 
 
 def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):

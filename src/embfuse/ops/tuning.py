@@ -58,8 +58,12 @@ def gather_shape(D: int, traced: bool = False) -> tuple[int, int]:
     return _gather_shape(D) if traced else _gather_shape_cached(D)
 
 
-# ids a block of the flat checks (one table's, a keyed batch's; NOTES: "check kernels", session 14)
+# ids a block of a keyed batch's check (NOTES: "check kernels", session 14)
 CHECK_BLOCK = 1024
+# ids a program of one table's check, and its warps: 4.2M int64 ids in 15.3 us against 17.6 at
+# 1024 ids before its lanes counted in int32; 8 warps or 4096 ids no faster (NOTES: session 25)
+IDS_CHECK_BLOCK = 2048
+IDS_CHECK_WARPS = 4
 # a check folded into a small lookup's launch (ops/deferred.py take_fold): batches of at most
 # FOLD_IDS ids, whose time is the host's (a launch fewer saves tens of microseconds of it;
 # NOTES: session 21, "the check folded in"); a check program of the lookup's one warp takes
