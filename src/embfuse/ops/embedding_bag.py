@@ -177,6 +177,7 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
             indices.numel(), B, offsets.numel(), weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
             CLAMP_LAST=open_end == "last", **flags)
         return out, max_ids
+    # (n and B are read only under OPEN_END; constants otherwise, so they add no specialisations)
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
         *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),
         out.stride(0), padding_idx, *((indices.numel(), B) if open_end is not None else (0, 0)),
