@@ -37,6 +37,8 @@ from embfuse.ops.residency import hot_ids
 # the check's flags
 BAD_ID, BAD_OFFSETS = 1, 2
 K_BAD_ID, K_BAD_OFFSETS = constexprs(BAD_ID, BAD_OFFSETS)
+RING = 4096  # eager calls a device log tells apart (DeviceLog)
+(K_RING,) = constexprs(RING)
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -56,6 +58,14 @@ def _report(status, ring, slot, seq, flags, programs):
     if ticket == programs - 1:
         total = tl.atomic_or(status, 0, sem="acquire")
         tl.store(ring + slot, seq.to(tl.int64) * 16 + total)
+
+
+@triton.jit
+def ring_statuses(statuses, slot):
+    """(status, status_next) of the eager call in ring slot `slot` of a device log's `statuses`
+    (RING int32 pairs): what a lookup that folds the check in gets (take_fold), one tensor
+    argument instead of two, always 16-byte aligned."""
+    return statuses + slot * 2, statuses + ((slot + 1) % K_RING) * 2
 
 
 @triton.jit
@@ -298,13 +308,14 @@ class Check:
 
 
 def take_fold(check: Optional[Check]):
-    """(status, status_next, ring, slot, seq) for a kernel that runs `check` as its first
-    programs (deferred.check_ids_program, wait_for_check), when its launch is still pending; the
-    check is then the caller's to run. None otherwise."""
+    """(statuses, ring, slot, seq) for a kernel that runs `check` as its first programs
+    (check_ids_program, wait_for_check; ring_statuses gives its status pairs), when its launch is
+    still pending: an eager call's, whose status is its ring slot's (run_check). The check is then
+    the caller's to run. None otherwise."""
     if check is None or check.pending is None:
         return None
     check.pending = None
-    return check._status, check.log.next_status(check), check.log.ring, check.slot, check.seq
+    return check.log.status, check.log.ring, check.slot, check.seq
 
 
 def folded_checks(n: int, n_offsets: int) -> int:
@@ -324,7 +335,7 @@ class DeviceLog:
     Calls inside a CUDA-graph capture or torch.compile graph take their ring
     slots, and pairs zeroed at each replay, from a second half that eager calls never use."""
 
-    RING = 4096
+    RING = RING
     FRESH = 1024
 
     def __init__(self, device):
@@ -442,6 +453,9 @@ _LOGS: dict = {}
 
 
 def device_log(device) -> DeviceLog:
+    log = _LOGS.get(device)  # (a tensor's own device: no new torch.device on every call)
+    if log is not None:
+        return log
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -524,7 +538,8 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
         log = device_log(device)
         deferred = bounds_check == "deferred"
         check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
-        if deferred and fold and check.slot < DeviceLog.RING:  # (not in a graph: its launches cost no host time)
+        # (not in a graph, whose launches cost no host time; a ring slot's status: take_fold)
+        if deferred and fold and not fresh and check.slot < RING:
             check.pending = functools.partial(launch_check, log, check)
             return check, None
         launch_check(log, check)

@@ -26,7 +26,7 @@ from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCA
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
-from embfuse.ops.deferred import check_ids_program, folded_checks, take_fold, wait_for_check
+from embfuse.ops.deferred import check_ids_program, folded_checks, ring_statuses, take_fold, wait_for_check
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, clamp_last_offset, guard, padding_index, row_major,
@@ -119,8 +119,8 @@ def _embedding_bag_fwd_kernel(
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _embedding_bag_fwd_checked_kernel(
-    weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx,
-    n, B, n_offsets, num_embeddings, status_next, ring, slot, seq, checks,
+    weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
+    n, B, n_offsets, num_embeddings, statuses, ring, slot, seq, checks,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, OPEN_END: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
     CLAMP_LAST: tl.constexpr,
@@ -128,8 +128,10 @@ def _embedding_bag_fwd_checked_kernel(
     """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
     time is the host's: one launch instead of two). The first `checks` programs of column block
     0 check the ids and offsets (deferred.check_ids_program); the rest pool bag pid - checks
-    once the check has reported (deferred.wait_for_check)."""
+    once the check has reported (deferred.wait_for_check). `statuses`, `slot`: the device log's
+    (deferred.take_fold)."""
     pid = tl.program_id(0)
+    status, status_next = ring_statuses(statuses, slot)
     if pid < checks:
         if tl.program_id(1) == 0:
             check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring,
@@ -167,21 +169,22 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
     if B == 0 or D == 0:
         return out, max_ids
     cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing())
-    args = (weight, indices, offsets, per_sample_weights if per_sample_weights is not None else weight)
+    # (a tensor the kernel does not read goes as None, a constexpr: each tensor argument costs
+    # about a microsecond of host time a launch, benchmarks/NOTES.md session 26)
+    args = (weight, indices, offsets, per_sample_weights)
     flags = dict(MODE=mode, HAS_PSW=per_sample_weights is not None, HAS_PADDING=padding_idx >= 0,
                  OPEN_END=open_end is not None, **cfg)
     if folded is not None:
         checks = folded_checks(indices.numel(), offsets.numel())
         launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
-            *args, folded[0], out, max_ids if mode == MAX else out, D, weight.stride(0), out.stride(0), padding_idx,
-            indices.numel(), B, offsets.numel(), weight.shape[0], *folded[1:], checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
+            *args, out, max_ids if mode == MAX else None, D, weight.stride(0), out.stride(0), padding_idx,
+            indices.numel(), B, offsets.numel(), weight.shape[0], *folded, checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
             CLAMP_LAST=open_end == "last", **flags)
         return out, max_ids
     # (n and B are read only under OPEN_END; constants otherwise, so they add no specialisations)
     launch(_embedding_bag_fwd_kernel)[(B, cdiv(D, cfg["BLOCK_D"]))](
-        *args, status if status is not None else offsets, out, max_ids if mode == MAX else out, D, weight.stride(0),
-        out.stride(0), padding_idx, *((indices.numel(), B) if open_end is not None else (0, 0)),
-        STATUS=status is not None, **flags)
+        *args, status, out, max_ids if mode == MAX else None, D, weight.stride(0), out.stride(0), padding_idx,
+        *((indices.numel(), B) if open_end is not None else (0, 0)), STATUS=status is not None, **flags)
     return out, max_ids
 
 
@@ -514,14 +517,18 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     that records no gradient): the check rewrites the ids to read hot rows from their copy, and
     the pooling runs under its persisting window."""
     grad = needs_op(weight, per_sample_weights)
+    direct = not grad and resident is None and pools_with_kernels(weight)
     indices, offsets, per_sample_weights, mode, padding_idx, check, open_end = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
         include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident, fold=not grad,
-        open_end=not grad and resident is None and pools_with_kernels(weight))
+        open_end=direct)
     if grad:
         status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
+    elif direct:  # (pool's own choice, made once: a small call's time is the host's)
+        out, _ = embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
+                                       with_max_ids=False, check=check, open_end=open_end)
     else:
         with window(resident):
             out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
