@@ -370,8 +370,7 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     scale = torch.empty(out, dtype=torch.float32, device=dev) if has_scale else None
     if n and FB:
         launch(_backward_inputs_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
-            values, offsets, psw if psw is not None else keys, status if status is not None else offsets, meta,
-            cold[0] if cold is not None else offsets, keys, bag, scale if has_scale else keys, n, FB, max(B, 1),
+            values, offsets, psw, status, meta, None if cold is None else cold[0], keys, bag, scale, n, FB, max(B, 1),
             meta.stride(0), SKIPPED if skips else padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
             HAS_PADDING=padding_idx >= 0 or skips, COLD=cold is not None,
             NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),

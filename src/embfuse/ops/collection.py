@@ -190,9 +190,8 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     if epilogue is not None and (cfg["BLOCK_D"] < max_dim or total_dim != F * max_dim):
         raise ValueError(f"a LayerNorm epilogue needs every feature {max_dim} wide and at most 256 wide")
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
-        weights, values, offsets, psw if psw is not None else weights, status if status is not None else offsets,
-        meta, out, B, out.stride(0), meta.stride(0), ln_w if ln_w is not None else weights,
-        ln_b if ln_b is not None else weights, float(eps), HAS_PSW=psw is not None,
+        weights, values, offsets, psw, status, meta, out, B, out.stride(0), meta.stride(0), ln_w, ln_b, float(eps),
+        HAS_PSW=psw is not None,
         WSUM=psw is not None and weight_sums, SKIP=skips, STATUS=status is not None, VEC=vec,
         EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
         HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)

@@ -482,11 +482,11 @@ def check_errors() -> None:
         log.wait()
 
 
-def _check_args(log, check, dummy) -> tuple:
-    """The check kernels' (status, status_next, ring, slot, seq) for `check`; placeholders (never
-    read: CHECK is off) when there is none."""
+def _check_args(log, check) -> tuple:
+    """The check kernels' (status, status_next, ring, slot, seq) for `check`; None (never read:
+    CHECK is off) when there is none."""
     if check is None:
-        return dummy, dummy, dummy, 0, 0
+        return None, None, None, 0, 0
     return check.status, log.next_status(check), log.ring, check.slot, check.seq
 
 
@@ -497,10 +497,8 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.IDS_CHECK_BLOCK
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
-        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings,
-        *_check_args(log, check, indices), out if out is not None else indices,
-        resident.info if resident is not None else indices, resident.words if resident is not None else indices,
-        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
+        indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, *_check_args(log, check),
+        out, None if resident is None else resident.info, None if resident is None else resident.words, BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
         num_warps=tuning.IDS_CHECK_WARPS)
 
 
@@ -513,10 +511,8 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
     block = tuning.CHECK_BLOCK
     chunks = tuning.check_chunks(max(n, FB + 1))
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
-        values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check, values),
-        out if out is not None else values, resident.info if resident is not None else values,
-        resident.words if resident is not None else values,
-        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
+        values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check), out,
+        None if resident is None else resident.info, None if resident is None else resident.words, BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
         REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
 
 

@@ -64,7 +64,7 @@ def _embedding_fwd_checked_kernel(weight, indices, out, n, D, stride_w, stride_o
     if pid < checks:
         if tl.program_id(1) == 0:
             check_ids_program(pid, checks, indices, n, indices, 0, num_embeddings, status, status_next, ring, slot,
-                              seq, indices, indices, indices, CHECK_BLOCK, True, False)
+                              seq, None, None, None, CHECK_BLOCK, True, False)
     else:
         ok = wait_for_check(status, checks) == 0
         _gather_tile(pid - checks, tl.program_id(1), weight, indices, ok, out, n, D, stride_w, stride_o, True,

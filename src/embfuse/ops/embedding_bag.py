@@ -135,7 +135,7 @@ def _embedding_bag_fwd_checked_kernel(
     if pid < checks:
         if tl.program_id(1) == 0:
             check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring,
-                              slot, seq, indices, indices, indices, CHECK_BLOCK, True, False, CLAMP_LAST)
+                              slot, seq, None, None, None, CHECK_BLOCK, True, False, CLAMP_LAST)
     else:
         ok = wait_for_check(status, checks) == 0
         _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
