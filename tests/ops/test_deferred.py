@@ -60,11 +60,13 @@ def test_backward_inputs_of_a_bad_batch_name_no_row():
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @settings(max_examples=30, deadline=None)
 @given(ids=st.lists(st.integers(-2, 7), max_size=30), cuts=st.lists(st.integers(-1, 32), min_size=1, max_size=8),
-       dtype=st.sampled_from([torch.int32, torch.int64]), padding_idx=st.integers(-1, 5), weighted=st.booleans())
-def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype, padding_idx, weighted):
+       dtype=st.sampled_from([torch.int32, torch.int64]), padding_idx=st.integers(-1, 5), weighted=st.booleans(),
+       fresh=st.booleans())
+def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype, padding_idx, weighted, fresh):
     """A small batch's check runs as the first programs of the pooling launch (several of them
     here): the flags are the check kernel's, a good batch pools what the reference pools
-    (padding and per-sample weights too), a bad one pools nothing and is reported later."""
+    (padding and per-sample weights too), a bad one pools nothing and is reported later. Also
+    with a status of its own (`fresh`: a fused lookup's, which its backward reads)."""
     dev = KERNEL_DEVICE
     w = torch.randn(6, 8, device=dev)
     ids_t = torch.tensor(ids, dtype=dtype, device=dev)
@@ -72,7 +74,7 @@ def test_a_check_folded_into_the_lookup_launch(mode, ids, cuts, dtype, padding_i
     psw = torch.rand(len(ids), device=dev) + 0.5 if weighted and mode == 0 else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tuning, "FOLD_BLOCK", 4)
-        *_, check = validate_bags(ids_t, off_t, 6, psw, kernel=True, fresh=False, fold=True)
+        *_, check = validate_bags(ids_t, off_t, 6, psw, kernel=True, fresh=fresh, fold=True)
         assert check.pending is not None
         out, _ = embedding_bag_forward(w, ids_t, off_t, psw, mode, padding_idx, check=check)
     assert check.pending is None

@@ -61,11 +61,12 @@ def _report(status, ring, slot, seq, flags, programs):
 
 
 @triton.jit
-def ring_statuses(statuses, slot):
-    """(status, status_next) of the eager call in ring slot `slot` of a device log's `statuses`
-    (RING int32 pairs): what a lookup that folds the check in gets (take_fold), one tensor
-    argument instead of two, always 16-byte aligned."""
-    return statuses + slot * 2, statuses + ((slot + 1) % K_RING) * 2
+def next_pair(statuses, slot):
+    """The status pair that the check of the eager call in ring slot `slot` clears for the call
+    after it (DeviceLog.next_status), in the device log's `statuses` (RING int32 pairs). A lookup
+    that folds the check in gets the base (take_fold): its alignment never changes, so it adds no
+    compiled variants."""
+    return statuses + ((slot + 1) % K_RING) * 2
 
 
 @triton.jit
@@ -308,14 +309,14 @@ class Check:
 
 
 def take_fold(check: Optional[Check]):
-    """(statuses, ring, slot, seq) for a kernel that runs `check` as its first programs
-    (check_ids_program, wait_for_check; ring_statuses gives its status pairs), when its launch is
-    still pending: an eager call's, whose status is its ring slot's (run_check). The check is then
-    the caller's to run. None otherwise."""
+    """(status, statuses, ring, slot, seq) for a kernel that runs `check` as its first programs
+    (check_ids_program, wait_for_check; next_pair finds the pair it clears in `statuses`), when
+    its launch is still pending (an eager call's: run_check). The check is then the caller's to
+    run. None otherwise."""
     if check is None or check.pending is None:
         return None
     check.pending = None
-    return check.log.status, check.log.ring, check.slot, check.seq
+    return check._status, check.log.status, check.log.ring, check.slot, check.seq
 
 
 def folded_checks(n: int, n_offsets: int) -> int:
@@ -498,7 +499,8 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
     block = tuning.IDS_CHECK_BLOCK
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, *_check_args(log, check),
-        out, None if resident is None else resident.info, None if resident is None else resident.words, BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
+        out, None if resident is None else resident.info, None if resident is None else resident.words,
+        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
         num_warps=tuning.IDS_CHECK_WARPS)
 
 
@@ -512,8 +514,8 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
     chunks = tuning.check_chunks(max(n, FB + 1))
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
         values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check), out,
-        None if resident is None else resident.info, None if resident is None else resident.words, BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
-        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
+        None if resident is None else resident.info, None if resident is None else resident.words,
+        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None, REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
@@ -534,8 +536,7 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
         log = device_log(device)
         deferred = bounds_check == "deferred"
         check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
-        # (not in a graph, whose launches cost no host time; a ring slot's status: take_fold)
-        if deferred and fold and not fresh and check.slot < RING:
+        if deferred and fold and check.slot < RING:  # (not in a graph: its launches cost no host time)
             check.pending = functools.partial(launch_check, log, check)
             return check, None
         launch_check(log, check)

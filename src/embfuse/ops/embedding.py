@@ -15,7 +15,7 @@ from torch.autograd import forward_ad
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
-from embfuse.ops.deferred import check_ids_program, folded_checks, ring_statuses, take_fold, wait_for_check
+from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
                                   validate_ids)
@@ -54,17 +54,16 @@ def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o
 
 
 @triton.jit(do_not_specialize=["slot", "seq"])
-def _embedding_fwd_checked_kernel(weight, indices, out, n, D, stride_w, stride_o, num_embeddings, statuses, ring,
-                                  slot, seq, checks, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _embedding_fwd_checked_kernel(weight, indices, out, n, D, stride_w, stride_o, num_embeddings, status, statuses,
+                                  ring, slot, seq, checks, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                   CHECK_BLOCK: tl.constexpr):
     """_embedding_fwd_kernel with the batch's deferred check folded in, as the pooled lookup's
     (ops/embedding_bag.py _embedding_bag_fwd_checked_kernel)."""
     pid = tl.program_id(0)
-    status, status_next = ring_statuses(statuses, slot)
     if pid < checks:
         if tl.program_id(1) == 0:
-            check_ids_program(pid, checks, indices, n, indices, 0, num_embeddings, status, status_next, ring, slot,
-                              seq, None, None, None, CHECK_BLOCK, True, False)
+            check_ids_program(pid, checks, indices, n, indices, 0, num_embeddings, status, next_pair(statuses, slot),
+                              ring, slot, seq, None, None, None, CHECK_BLOCK, True, False)
     else:
         ok = wait_for_check(status, checks) == 0
         _gather_tile(pid - checks, tl.program_id(1), weight, indices, ok, out, n, D, stride_w, stride_o, True,

@@ -26,7 +26,7 @@ from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCA
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
-from embfuse.ops.deferred import check_ids_program, folded_checks, ring_statuses, take_fold, wait_for_check
+from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, clamp_last_offset, guard, padding_index, row_major,
@@ -120,7 +120,7 @@ def _embedding_bag_fwd_kernel(
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _embedding_bag_fwd_checked_kernel(
     weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
-    n, B, n_offsets, num_embeddings, statuses, ring, slot, seq, checks,
+    n, B, n_offsets, num_embeddings, status, statuses, ring, slot, seq, checks,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, OPEN_END: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, CHECK_BLOCK: tl.constexpr,
     CLAMP_LAST: tl.constexpr,
@@ -131,11 +131,11 @@ def _embedding_bag_fwd_checked_kernel(
     once the check has reported (deferred.wait_for_check). `statuses`, `slot`: the device log's
     (deferred.take_fold)."""
     pid = tl.program_id(0)
-    status, status_next = ring_statuses(statuses, slot)
     if pid < checks:
         if tl.program_id(1) == 0:
-            check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring,
-                              slot, seq, None, None, None, CHECK_BLOCK, True, False, CLAMP_LAST)
+            check_ids_program(pid, checks, indices, n, offsets, n_offsets, num_embeddings, status,
+                              next_pair(statuses, slot), ring, slot, seq, None, None, None, CHECK_BLOCK, True, False,
+                              CLAMP_LAST)
     else:
         ok = wait_for_check(status, checks) == 0
         _pool_program((pid - checks).to(tl.int64), tl.program_id(1), weight, indices, offsets, psw, ok, out, max_ids,
