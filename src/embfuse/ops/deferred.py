@@ -336,7 +336,7 @@ class DeviceLog:
     Calls inside a CUDA-graph capture or torch.compile graph take their ring
     slots, and pairs zeroed at each replay, from a second half that eager calls never use."""
 
-    RING = RING
+    RING = RING  # (the module's: the folded kernels read it as K_RING)
     FRESH = 1024
 
     def __init__(self, device):
@@ -515,7 +515,8 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
         values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check), out,
         None if resident is None else resident.info, None if resident is None else resident.words,
-        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None, REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
+        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
+        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
