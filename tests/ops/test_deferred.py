@@ -177,6 +177,28 @@ def test_default_forward_and_fused_step_never_synchronise():
 
 
 @pytest.mark.gpu
+def test_small_lookups_fold_their_check_into_their_launch():
+    """A small eager lookup's check runs inside its lookup's launch: no check kernel of its own,
+    for a plain, a pooled and a fused pooled lookup (whose status is its own: the backward reads it)."""
+    dev = "cuda"
+    bag = embfuse.nn.EmbeddingBag(40, 8, mode="sum", device=dev, optimizer=embfuse.optim.SGD(lr=0.1))
+    w = torch.randn(40, 8, device=dev)
+    ids = torch.randint(0, 40, (16, 4), device=dev)
+    calls = {"fused nn.EmbeddingBag": lambda: bag(ids), "embedding_bag": lambda: embfuse.embedding_bag(ids, w),
+             "embedding": lambda: embfuse.embedding(ids, w)}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert any("checked_kernel" in k for k in kernels), (name, kernels)
+        assert not any("check_ids" in k for k in kernels), (name, kernels)
+    check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rule", [embfuse.optim.SGD(lr=0.1, weight_decay=0.01), embfuse.optim.Adam(lr=0.1),
                                   embfuse.optim.RowWiseAdagrad(lr=0.1)])
 @pytest.mark.parametrize("bad", ["id", "length"])
