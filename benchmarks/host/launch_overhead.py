@@ -12,7 +12,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.runtime import driver
 
 from embfuse._triton import _DirectLauncher
-from embfuse.bench.runner import _host_us
+from embfuse.bench.runner import host_us
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _k30(a, b, c, d, e, f, g, h, i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, j0, j1,
 def per_call_us(fn, calls=5000):
     for _ in range(50):
         fn()
-    return _host_us(fn, calls)
+    return host_us(fn, calls)
 
 
 x = torch.randn(1024, device="cuda")

@@ -27,7 +27,7 @@ from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.peers import fbgemm_tbe
 from embfuse.bench.providers import attempt
 from embfuse.bench.report import write_result
-from embfuse.bench.runner import _host_us, copy_bandwidth, metadata
+from embfuse.bench.runner import host_us, copy_bandwidth, metadata
 from embfuse.bench.workloads import Workload, generate_ids
 
 WORKLOADS = [
@@ -150,7 +150,7 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
                     fn()
                 cell["us"] = do_bench(timed, warmup=5, rep=200, return_mode="median") * 1e3
                 if name in ("embfuse", "embfuse resident"):
-                    row[f"{name} back-to-back"] = _host_us(fn, 50)
+                    row[f"{name} back-to-back"] = host_us(fn, 50)
 
             cell = {}
             attempt(cell, run)

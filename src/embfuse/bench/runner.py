@@ -53,7 +53,7 @@ def _close(a, b, dtype) -> bool:
     return all(torch.allclose(x.float(), y.float(), rtol=tol, atol=tol * 8) for x, y in zip(a, b))
 
 
-def _host_us(fn, calls: int = 200) -> float:
+def host_us(fn, calls: int = 200) -> float:
     """Wall-clock per call over back-to-back calls: host-bound when the GPU work is short."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
             if w.group == "latency":
                 from embfuse.bench.collection import launch_counts
 
-                row["host_us_per_call"] = _host_us(fn)
+                row["host_us_per_call"] = host_us(fn)
                 row["launches_per_call"] = launch_counts(fn)["kernels_per_step"]
                 if name in ("torch", "embfuse"):
                     row["graph_us"] = _graph_us(fn)

@@ -49,7 +49,7 @@ class CommTimer:
         return out
 
 
-def _timed(timer: Optional[CommTimer], name: str, device):
+def timed(timer: Optional[CommTimer], name: str, device):
     return timer(name, device) if timer is not None else nullcontext()
 
 
@@ -79,7 +79,7 @@ class PooledAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        with _timed(ctx.timer, "output_backward", grad.device):
+        with timed(ctx.timer, "output_backward", grad.device):
             back, _ = all_to_all(grad.contiguous(), recv_splits, send_splits, ctx.group)
         return back.view(ctx.shape), None, None, None, None, None
 
@@ -96,7 +96,7 @@ class InputDist:
     def wait(self) -> torch.Tensor:
         if not self._waited:
             if self._work is not None:
-                with _timed(self.owner.comm_timer, "input", self.owner.device):
+                with timed(self.owner.comm_timer, "input", self.owner.device):
                     self._work.wait()
             self._waited, self._work = True, None
             if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one

@@ -38,7 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from embfuse.distributed.assembly import SideBySide, move_table
-from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, _timed, all_to_all
+from embfuse.distributed.comm import CommTimer, InputDist, OutputDist, PooledAllToAll, timed, all_to_all
 from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
@@ -248,7 +248,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             header = torch.zeros(W * H, dtype=torch.int64, device=self.device)
             header[STATUS::H] = _BAD_ARGUMENT
         timer = self.comm_timer
-        with _timed(timer, "input", self.device):
+        with timed(timer, "input", self.device):
             got, _ = all_to_all(header, [H] * W, [H] * W, self.group)
             sent_host, got_host = torch.stack([header, got]).view(2, W, H).tolist()
         statuses = [got_host[r][STATUS] for r in range(W)]
@@ -261,7 +261,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         recv_counts = [got_host[s][COUNTS:COUNTS + E] for s in range(W)]
         buf, send_sizes = self.routing.send_buffer(routed, sent)
         per_id = 2 if self._is_weighted else 1
-        with _timed(timer, "input", self.device):
+        with timed(timer, "input", self.device):
             recv, work = all_to_all(buf, send_sizes, [E * b + per_id * sum(c) for b, c in zip(batches, recv_counts)],
                                     self.group, async_op=True)
         return InputDist(self, kjt, B, batches, recv_counts, recv, work)
@@ -331,7 +331,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def output_wait(self, sent: "OutputDist") -> KeyedTensor:
         """Wait for the pooled rows of this rank's samples and assemble its KeyedTensor."""
         if sent.work is not None:
-            with _timed(self.comm_timer, "output", self.device):
+            with timed(self.comm_timer, "output", self.device):
                 sent.work.wait()
         return KeyedTensor(self.feature_names, self._dims, self._assemble(sent.recv, sent.kjt, sent.B))
 

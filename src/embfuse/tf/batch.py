@@ -15,7 +15,7 @@ from torch import Tensor
 
 from embfuse.ops.errors import BadArgumentError
 from embfuse.sparse.jagged import KeyedJaggedTensor
-from embfuse.tf.lookup import _sparse_parts, _weights_of
+from embfuse.tf.lookup import sparse_parts, weights_of
 
 
 def keyed_batch(ids: Mapping[str, Tensor], weights: Optional[Mapping[str, Tensor]] = None) -> KeyedJaggedTensor:
@@ -31,14 +31,14 @@ def keyed_batch(ids: Mapping[str, Tensor], weights: Optional[Mapping[str, Tensor
         raise BadArgumentError(f"weights must have the features of ids: {sorted(weights)} against {sorted(keys)}")
     values, ws, rows, counts, B = [], [], [], [], None
     for k in keys:
-        indices, v, shape = _sparse_parts(ids[k], f"ids[{k!r}]")
+        indices, v, shape = sparse_parts(ids[k], f"ids[{k!r}]")
         if len(shape) != 2:
             raise BadArgumentError(f"ids[{k!r}] must be 2-D (batch, ids of a row), got shape {shape}")
         if B is None:
             B = shape[0]
         elif shape[0] != B:
             raise BadArgumentError(f"ids[{k!r}] has {shape[0]} rows; the features before it have {B}")
-        w = None if weights is None else _weights_of(weights[k], indices)
+        w = None if weights is None else weights_of(weights[k], indices)
         r = indices[0]
         if not ids[k].is_coalesced():
             r, order = torch.sort(r, stable=True)

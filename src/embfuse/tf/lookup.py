@@ -128,7 +128,7 @@ def embedding_lookup(params: Params, ids: Tensor, partition_strategy: str = "mod
     return rows.reshape(*ids.shape, shards[0].shape[1])
 
 
-def _sparse_parts(sp: Tensor, what: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+def sparse_parts(sp: Tensor, what: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
     if not isinstance(sp, Tensor) or sp.layout != torch.sparse_coo:
         raise TypeError(f"{what} must be a torch sparse COO tensor (TensorFlow's SparseTensor), got "
                         f"{getattr(sp, 'layout', type(sp).__name__)}")
@@ -137,13 +137,13 @@ def _sparse_parts(sp: Tensor, what: str) -> tuple[Tensor, Tensor, tuple[int, ...
     return sp._indices(), sp._values(), tuple(sp.shape)
 
 
-def _weights_of(sp_weights: Optional[Tensor], indices: Tensor, grad: bool = False) -> Optional[Tensor]:
+def weights_of(sp_weights: Optional[Tensor], indices: Tensor, grad: bool = False) -> Optional[Tensor]:
     """The weights' values, checked against the ids' indices. `grad`: the caller can give them a
     gradient (the composed path): they come differentiable then, which torch allows only for a
     coalesced sparse tensor."""
     if sp_weights is None:
         return None
-    w_idx, w, _ = _sparse_parts(sp_weights, "sparse_weights")
+    w_idx, w, _ = sparse_parts(sp_weights, "sparse_weights")
     # (the same index tensor, as when both were built from one: no device read to compare them)
     if w_idx.shape != indices.shape or (w_idx.data_ptr() != indices.data_ptr() and not torch.equal(w_idx, indices)):
         raise BadArgumentError("sparse_weights must have the same indices as sparse_ids")
@@ -178,7 +178,7 @@ def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_
 
 
 def _wants_grad(weights: Optional[Tensor]) -> bool:
-    """Whether the weights (from _weights_of: differentiable only when a gradient is asked for)
+    """Whether the weights (from weights_of: differentiable only when a gradient is asked for)
     take a gradient: the lookup then takes the composed path (torch ops, TensorFlow's graph),
     which autograd differentiates with respect to them too."""
     return weights is not None and weights.requires_grad
@@ -199,10 +199,10 @@ def embedding_lookup_sparse(params: Params, sp_ids: Tensor, sp_weights: Optional
     "mean", as TensorFlow's."""
     combiner = _combiner(combiner)
     shards = _shards(params, "embedding_lookup_sparse")
-    indices, ids, shape = _sparse_parts(sp_ids, "sp_ids")
+    indices, ids, shape = sparse_parts(sp_ids, "sp_ids")
     if len(shape) != 2:
         raise BadArgumentError(f"sp_ids must be 2-D (use safe_embedding_lookup_sparse for higher ranks), got {shape}")
-    weights = _weights_of(sp_weights, indices, grad=True)
+    weights = weights_of(sp_weights, indices, grad=True)
     ids = ids.long()
     _check_ids(ids, _total_rows(shards, partition_strategy), "embedding_lookup_sparse")
     rows = indices[0].contiguous()
@@ -240,8 +240,8 @@ def safe_embedding_lookup_sparse(embedding_weights: Params, sparse_ids: Tensor,
     flattened to 2-D and the output shaped `sparse_ids.shape[:-1] + [D]`."""
     combiner = _combiner(combiner)
     shards = _shards(embedding_weights, "safe_embedding_lookup_sparse")
-    indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
-    weights = _weights_of(sparse_weights, indices, grad=True)
+    indices, ids, shape = sparse_parts(sparse_ids, "sparse_ids")
+    weights = weights_of(sparse_weights, indices, grad=True)
     total = _total_rows(shards, partition_strategy)
     if default_id is not None and not 0 <= default_id < total:
         raise BadIdError(f"default_id {default_id} is out of range for a table of {total} rows")

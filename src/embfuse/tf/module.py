@@ -26,7 +26,7 @@ from embfuse.nn.modules import EmbeddingBag
 from embfuse._triton import needs_op
 from embfuse.ops.bags import accumulation
 from embfuse.ops.safe import POOLING, safe_rule
-from embfuse.tf.lookup import COMBINERS, _sparse_parts, _weights_of, bags_of, entry_rows, lookup_bags, one_table_plan
+from embfuse.tf.lookup import COMBINERS, sparse_parts, weights_of, bags_of, entry_rows, lookup_bags, one_table_plan
 
 
 class SafeEmbeddingBag(torch.nn.Module):
@@ -53,8 +53,8 @@ class SafeEmbeddingBag(torch.nn.Module):
         return self.bag.weight
 
     def forward(self, sparse_ids: Tensor, sparse_weights: Optional[Tensor] = None) -> Tensor:
-        indices, ids, shape = _sparse_parts(sparse_ids, "sparse_ids")
-        given = _weights_of(sparse_weights, indices)
+        indices, ids, shape = sparse_parts(sparse_ids, "sparse_ids")
+        given = weights_of(sparse_weights, indices)
         N = math.prod(shape[:-1])
         ids, offsets, w, order = bags_of(entry_rows(indices, shape), ids, given, N, sparse_ids.is_coalesced(),
                                          accumulation(self.weight))
