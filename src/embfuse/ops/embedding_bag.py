@@ -230,14 +230,12 @@ def pools_with_kernels(weight) -> bool:
     return use_kernels(weight) and weight.dtype != torch.float64 and row_major(weight)
 
 
-def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None,
-         open_end=None):
+def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=True, status=None, check=None):
     """The forward without the op's dispatch: (output, max ids), kernel or reference by device.
-    `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in).
-    `open_end`: torch's offsets as given (kernels only: see embedding_bag_forward)."""
+    `check`: the batch's deferred Check, in place of `status` (a kernel may fold its launch in)."""
     if pools_with_kernels(weight):
         return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                     with_max_ids=with_max_ids, status=status, check=check, open_end=open_end)
+                                     with_max_ids=with_max_ids, status=status, check=check)
     if check is not None:
         status = check.status
     if status is not None:  # torch ops would fault on a bad id: a bad batch pools nothing
@@ -529,8 +527,8 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     elif direct:  # (pool's own choice, made once: a small call's time is the host's)
         out, _ = embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
                                        with_max_ids=False, check=check, open_end=open_end)
-    else:
+    else:  # (torch's offsets made canonical: open_end is None here)
         with window(resident):
             out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
-                          check=check, open_end=open_end)
+                          check=check)
     return out
