@@ -6,11 +6,10 @@ interleaved; median and least of the rounds. Run it on two trees to compare them
     PYTHONPATH=src python3 benchmarks/host/host_offsets.py
 """
 
-import time
-
 import torch
 
 import embfuse
+from embfuse.bench.runner import host_us
 
 w = torch.randn(100_000, 64, device="cuda")
 ids = torch.randint(0, 100_000, (512 * 8,), device="cuda")
@@ -26,15 +25,6 @@ CALLS = {
 }
 
 
-def host_us(fn, n=2000):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
-
 if __name__ == "__main__":
     with torch.no_grad():
         for fn in CALLS.values():
@@ -43,6 +33,6 @@ if __name__ == "__main__":
         seen = {k: [] for k in CALLS}
         for _ in range(9):
             for k, fn in CALLS.items():
-                seen[k].append(host_us(fn))
+                seen[k].append(host_us(fn, 2000))
     print("median", {k: round(sorted(v)[4], 1) for k, v in seen.items()})
     print("least", {k: round(min(v), 1) for k, v in seen.items()})
