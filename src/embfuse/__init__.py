@@ -19,7 +19,8 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"embfuse.{name}")
     raise AttributeError(f"module 'embfuse' has no attribute {name!r}")
-__all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor",
-           "PaddedKeyedJaggedTensor",
-           "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim", "tf",
-           "__version__"]
+
+
+__all__ = ["embedding", "embedding_bag", "check_errors", "BadIdError", "BadBatchError", "JaggedTensor",
+           "KeyedJaggedTensor", "KeyedTensor", "PaddedKeyedJaggedTensor", "EmbeddingBagCollection",
+           "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig", "nn", "optim", "tf", "__version__"]

@@ -59,7 +59,7 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 def cdiv(a, b):
     """Ceiling division for host code (sizes may be SymInts): `triton.cdiv` is a Triton
-    constexpr function whose host call costs about 3 us (measured on the H100 host)."""
+    constexpr function, slow to call from the host."""
     return -(-a // b)
 
 
@@ -96,11 +96,10 @@ class _DirectLauncher:
     """Launches a compiled Triton kernel with less host work than `kernel[grid](...)`.
 
     Triton's own launch binds the arguments, specialises each one, builds a cache key from
-    them and a string of the options, checks globals and asks for the stream: 21.6 us a
-    launch of 10 arguments and 33.6 us of 30 on the H100 host, of which the C launcher
-    itself is 7.7 and 9.3 us (measured, benchmarks/NOTES.md). Here the key is the tuple of
-    Triton's own per-argument specialisation (`native_specialize_impl`: type, 16-byte
-    alignment, divisibility by 16, the value 1) plus the constexprs and options, so two calls
+    them and a string of the options, checks globals and asks for the stream: about three
+    times what its C launcher costs (commit ae94d46; benchmarks/NOTES.md, session 26). Here
+    the key is the tuple of Triton's own per-argument specialisation (`native_specialize_impl`:
+    type, 16-byte alignment, divisibility by 16, the value 1) plus the constexprs and options, so two calls
     share a compiled kernel exactly when Triton would give them the same one. The first call
     with a new key goes through Triton, which compiles and returns the kernel we keep.
     (A missing constexpr raises KeyError here, as a missing argument does in Triton.)
@@ -146,8 +145,8 @@ def _direct(kernel) -> _DirectLauncher:
 
 def launch(kernel):
     """How to launch `kernel` from a host function: wrapped for tracing when tracing
-    (wrap_triton's eager dispatch outside a triton_op costs about 200 us a launch on an H100,
-    measured), through `_DirectLauncher` on a GPU, and Triton's own way when interpreting.
+    (wrap_triton's eager dispatch outside a triton_op costs several launches' worth of host
+    time), through `_DirectLauncher` on a GPU, and Triton's own way when interpreting.
     Launch hooks (knobs.runtime.launch_enter_hook, a profiler's) see only the first launch
     of each specialisation."""
     if tracing():

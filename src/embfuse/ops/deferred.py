@@ -380,8 +380,8 @@ class DeviceLog:
         return check
 
     def _fresh_pair(self) -> torch.Tensor:
-        """A zeroed pair no other call gets (a torch.zeros per call cost 12.7 us of host time on
-        the H100 host, benchmarks/NOTES.md session 21)."""
+        """A zeroed pair no other call gets (a torch.zeros per call costs a launch of host
+        time, benchmarks/NOTES.md session 21)."""
         stream = torch._C._cuda_getCurrentStream(self.device.index)[0] if self.device.type == "cuda" else None
         pairs = self.fresh.get(stream)
         if not pairs:

@@ -19,8 +19,8 @@ the check's pass over the ids (`hot_ids`, called by ops/deferred.py's check kern
 and no read of the ids of its own; with bounds_check="off" or after "skip" drops ids, the same
 kernel runs without checking). Tried first and measured slower (benchmarks/NOTES.md, session
 14): the remap word read inside the pooling loop (a dependent load and registers in the hot
-loop: +31-63% with no row hot), then a pass of its own (30 us at 4.2M ids, 1.9 ms for a
-collection whose pass searched each value's feature).
+loop, slower with no row hot), then a pass of its own (a second read of the ids, and for a
+collection a search of each value's feature).
 
 A copy, not a permutation: the table, its optimizer state and the state_dict keep the user's
 row order and are never touched; outputs are bitwise those of the plain lookup (the same values

@@ -172,7 +172,7 @@ class Segments:
         A level of more than tuning.TREE_LEVEL entries is a launch of its own; the levels after
         run as one tree in one launch: a program a tile of its first level, and the program that
         finishes last of the tiles feeding a tile of the next level (counted in `counters`) goes
-        on with that tile. A launch cost about 50 us of host time, and the step of a small batch
+        on with that tile. A launch costs host time, and the step of a small batch
         is host-bound (NOTES: "the upper levels in one launch"). `columns`: the tiles' columns
         are cut in blocks of this many (a power of two), a program each, so that a program holds
         fewer registers (None: whole rows, as row-wise state needs). Each block loads the tile's

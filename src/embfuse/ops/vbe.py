@@ -3,8 +3,8 @@ feature's lengths padded to one stride, and the pooled row each output sample ta
 
 `meta` (int64, 3F, on the device): each feature's stride (its samples), the first entry of its
 lengths, and its row of the inverse indices. One launch for the lengths and one for the rows
-replace about twelve torch ops, each of which cost the host 13-70 us an H100 call
-(benchmarks/NOTES.md, session 16).
+replace about twelve torch ops, each a host-bound launch of its own (benchmarks/NOTES.md,
+session 16).
 """
 
 from __future__ import annotations

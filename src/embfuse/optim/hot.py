@@ -1,9 +1,9 @@
 """A dense path for each table's hottest rows in a collection's fused training step.
 
 Under power-law ids most values of a batch fall on a few rows of each table, and the sparse
-backward gathers the bag's gradient row for every one of them (the Criteo step at B65536: 75%
-of 85M values on each table's 256 hottest rows, 11 of its 17 ms; benchmarks/NOTES.md, session
-8). For feature f and its table's K hot rows the same gradient is a matrix product,
+backward gathers the bag's gradient row for every one of them (most of the Criteo step's time
+at B65536; benchmarks/NOTES.md, session 8). For feature f and its table's K hot rows the same
+gradient is a matrix product,
 
     hot_grad_f[k, :] = sum over bags b of C_f[b, k] * scale_f[b] * grad[b, col_f : col_f + D_f]
 
