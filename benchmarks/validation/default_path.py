@@ -65,7 +65,8 @@ def main(out: Path) -> None:
             r = group.get(p, {})
             cell = f"{r['us']:.0f}" if "us" in r else "-"
             if "host_us_per_call" in r:
-                cell += f" (host {r['host_us_per_call']:.0f}, {r['launches_per_call']} launches)"
+                launches = f", {r['launches_per_call']} launches" if "launches_per_call" in r else ""
+                cell += f" (host {r['host_us_per_call']:.0f}{launches})"
             if "error" in r:
                 cell = "err"
             cells.append(cell)

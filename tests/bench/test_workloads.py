@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import embfuse
-from embfuse.bench.report import markdown
+from embfuse.bench.report import markdown, table
 from embfuse.bench.runner import count_bytes, derive
 from embfuse.bench.workloads import Workload, generate_batch, workloads
 
@@ -41,6 +41,18 @@ def test_derive_and_markdown():
     assert rows[1]["speedup_vs_torch"] == 2.0 and rows[1]["pct_roofline"] == pytest.approx(10.0)
     md = markdown({"rows": rows, "workloads": [dataclasses.asdict(w)]})
     assert "| t | 20.0 | 10.0 | 10% |" in md
+
+
+def test_table_notes_keep_a_mismatch_beside_the_host_time():
+    from rich.console import Console
+
+    rows = [{"workload": "t", "provider": "embfuse", "us": 10.0, "matches_first": False, "host_us_per_call": 42.0},
+            {"workload": "t", "provider": "torch", "us": 12.0, "host_us_per_call": 30.0}]
+    meta = {"gpu": "g", "copy_bandwidth_GBps": 1.0, "torch": "t", "triton": "t", "fbgemm_gpu": "-", "commit": "c"}
+    console = Console(record=True, width=300)
+    console.print(table({"meta": meta, "rows": rows}))
+    text = console.export_text()
+    assert "MISMATCH, host 42 us/call" in text and "host 30 us/call" in text
 
 
 def test_train_steps_run_and_update_on_cpu():

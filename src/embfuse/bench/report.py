@@ -17,9 +17,9 @@ def table(result: dict):
     last = None
     for r in result["rows"]:
         note = r.get("skipped") or r.get("error") or ("" if r.get("matches_first", True) else "MISMATCH")
-        if "host_us_per_call" in r:
-            note = f"host {r['host_us_per_call']:.0f} us/call" + (
-                f", graph {r['graph_us']:.1f} us" if r.get("graph_us") else "")
+        if "host_us_per_call" in r:  # (after a MISMATCH, never in its place)
+            note = ", ".join(filter(None, [note, f"host {r['host_us_per_call']:.0f} us/call" + (
+                f", graph {r['graph_us']:.1f} us" if r.get("graph_us") else "")]))
         fmt = lambda k, f: f.format(r[k]) if k in r else "-"  # noqa: E731
         t.add_row(r["workload"] if r["workload"] != last else "", r["provider"], fmt("us", "{:.1f}"),
                   fmt("GBps", "{:.0f}"), fmt("pct_roofline", "{:.0f}%"), fmt("rows_rate_GBps", "{:.0f}"),
