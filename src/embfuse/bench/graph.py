@@ -297,7 +297,8 @@ def markdown(result: dict) -> str:
                   f"(+{100 * (c['lookup_epilogue_chain_us'] / c['lookup_us'] - 1):.0f}%) | "
                   f"{c['lookup_fused_chain_us']:.0f} "
                   f"(+{100 * (c['lookup_fused_chain_us'] / c['lookup_us'] - 1):.0f}%) | "
-                  f"{c['lookup_torch_chain_us']:.0f} | {c['fused_chain_alone_us']:.0f} | {c['torch_chain_alone_us']:.0f} |"]
+                  f"{c['lookup_torch_chain_us']:.0f} | {c['fused_chain_alone_us']:.0f} | "
+                  f"{c['torch_chain_alone_us']:.0f} |"]
     return "\n".join(lines)
 
 

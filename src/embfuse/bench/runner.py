@@ -39,7 +39,9 @@ def count_bytes(w: Workload, ids: torch.Tensor, offsets) -> dict:
     distinct = int(torch.unique(ids).numel())
     looked_up = ids.numel()
     out_rows = ids.numel() if w.kind == "embedding" else w.batch
-    index_bytes = ids.numel() * ids.element_size() + (0 if offsets is None else offsets.numel() * offsets.element_size())
+    index_bytes = ids.numel() * ids.element_size()
+    if offsets is not None:
+        index_bytes += offsets.numel() * offsets.element_size()
     return {
         "distinct_rows": distinct,
         "ids": looked_up,
