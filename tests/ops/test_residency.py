@@ -221,21 +221,24 @@ def test_collection_on_the_gpu_bitwise_state_dict_window_and_refresh():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_reads_the_table_as_it_is_at_replay():
-    """The copy is captured with the lookup (the window is set on the capturing stream as in eager):
-    a replay after the table changed still gives the plain lookup's bits."""
+def test_a_lookup_captured_in_a_cuda_graph_is_the_plain_one():
+    """A replay would have to copy the hot rows again (the table may change between replays), and
+    measured so none gained (benchmarks/NOTES.md, session 27): the graph holds the plain lookup,
+    which reads the table as it is at replay; eager lookups stay resident."""
     plain, pinned = _criteo_like("cuda", False), _criteo_like("cuda", True)
     kjt = _kjt("cuda")
+    stream = torch.cuda.current_stream()
     with torch.no_grad():
         pinned(kjt)  # counts and copies eagerly
         s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
+        s.wait_stream(stream)
         with torch.cuda.stream(s):
             pinned(kjt)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(s)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             out = pinned(kjt).values()
+        assert l2.kernel_node_windows(graph) and not any(n for _, n in l2.kernel_node_windows(graph))
         for scale in (1.0, 3.0):
             pinned.weights.mul_(scale)
             plain.weights.mul_(scale)
@@ -243,6 +246,27 @@ def test_cuda_graph_replay_reads_the_table_as_it_is_at_replay():
             torch.cuda.synchronize()
             assert torch.equal(out, plain(kjt).values())
         assert torch.equal(pinned(kjt).values(), plain(kjt).values())  # eager again after capture
+    assert pinned.l2_residency.active
+
+
+@pytest.mark.gpu
+def test_kernels_captured_under_a_window_keep_it_in_their_graph_nodes():
+    hot, other = torch.zeros(1 << 16, device="cuda"), torch.zeros(1024, device="cuda")
+    other.add_(1)  # (the kernel loaded before the capture)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph, stream=s):
+        other.add_(1)
+        with l2.persisting(hot, 4096):
+            hot.add_(1)
+        other.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    assert l2.stream_window(s) == (0, 0)  # put back after the block
+    assert sorted(l2.kernel_node_windows(graph)) == [(0, 0), (0, 0), (hot.data_ptr(), 4096)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((hot == 1).all()) and bool((other == 3).all())
 
 
 @pytest.mark.gpu

@@ -27,6 +27,8 @@ _ATTR_MAX_PERSISTING_L2 = 108
 _ATTR_MAX_WINDOW = 109
 _LIMIT_PERSISTING_L2 = 0x06
 _STREAM_ATTR_ACCESS_POLICY_WINDOW = 1
+_KERNEL_NODE_ATTR_ACCESS_POLICY_WINDOW = 1
+_GRAPH_NODE_KERNEL = 0
 _ACCESS_NORMAL, _ACCESS_STREAMING, _ACCESS_PERSISTING = 0, 1, 2
 
 
@@ -124,9 +126,8 @@ def _window(stream_handle) -> _AttrValue:
 def persisting(tensor: torch.Tensor, nbytes: int, hit_ratio: float = 1.0, stream=None):
     """Kernels launched on `stream` (default: the current one) inside the block see the first
     `nbytes` of `tensor` as a persisting window; the stream's previous window is put back on
-    exit. Under CUDA-graph capture the window is set on the capturing stream as in an eager call;
-    whether the replayed kernel nodes keep it was not checked (tests/ops/test_residency.py checks
-    that replays give the plain lookup's bits)."""
+    exit. Kernels captured into a CUDA graph inside the block keep the window as their kernel
+    node's attribute (kernel_node_windows; checked on the H100 by tests/ops/test_residency.py)."""
     handle = _stream_handle(stream)
     lib = _driver()
     previous = _window(handle)
@@ -145,6 +146,27 @@ def stream_window(stream=None) -> tuple[int, int]:
     """(base address, bytes) of the window set on `stream` now ((0, 0): none). For tests."""
     w = _window(_stream_handle(stream)).accessPolicyWindow
     return (w.base_ptr or 0, w.num_bytes)
+
+
+def kernel_node_windows(graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
+    """(base address, bytes) of the window of each kernel node of `graph` ((0, 0): none), in
+    the graph's node order. `graph` must be made with keep_graph=True. For tests."""
+    lib = _driver()
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    _call(lib.cuGraphGetNodes, handle, None, ctypes.byref(count))
+    nodes = (ctypes.c_void_p * count.value)()
+    _call(lib.cuGraphGetNodes, handle, nodes, ctypes.byref(count))
+    windows = []
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        _call(lib.cuGraphNodeGetType, ctypes.c_void_p(node), ctypes.byref(kind))
+        if kind.value == _GRAPH_NODE_KERNEL:
+            value = _AttrValue()
+            _call(lib.cuGraphKernelNodeGetAttribute, ctypes.c_void_p(node), _KERNEL_NODE_ATTR_ACCESS_POLICY_WINDOW,
+                  ctypes.byref(value))
+            windows.append((value.accessPolicyWindow.base_ptr or 0, value.accessPolicyWindow.num_bytes))
+    return windows
 
 
 def reset() -> None:

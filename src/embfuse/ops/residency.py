@@ -216,9 +216,9 @@ class Residency:
 
     A module calls `resident(...)` per lookup that trains nothing, has its check rewrite the ids
     (ops/validate.py, `remap=`) and looks them up inside `window(resident)`. Counting reads the
-    device once (on its schedule only). Under CUDA-graph capture nothing is counted, and the copy
-    is captured with the lookup, so that every replay reads the table as it is then (a replay
-    pays for the copy)."""
+    device once (on its schedule only). A lookup captured into a CUDA graph is the plain one: its
+    replays would have to copy the hot rows each time (the table may change between them), and
+    measured so, no replay gained (benchmarks/NOTES.md, session 27)."""
 
     def __init__(self, refresh: int = 1000):
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
@@ -245,8 +245,9 @@ class Residency:
         if not sup.ok:
             self.report = ResidencyReport(False, reason=sup.reason)
             return None
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing and (self.calls % self.refresh == 0 or self.hot_set is None):
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if self.calls % self.refresh == 0 or self.hot_set is None:
             with torch.inference_mode(False), torch.no_grad():
                 self._choose(global_rows(), tables(), row_starts, min(sup.max_persisting_bytes, sup.max_window_bytes))
         self.calls += 1
@@ -256,9 +257,9 @@ class Residency:
         where = (weights.data_ptr(), weights.dtype)
         key = (weights._version, step)
         features = tuple(feature_tables)
-        if self._hot is None or self._hot[0] != where or capturing or self._copied != key or features not in self._info:
+        if self._hot is None or self._hot[0] != where or self._copied != key or features not in self._info:
             with torch.inference_mode(False), torch.no_grad():
-                self._refresh(weights, tables, row_starts, where, key, features, capturing)
+                self._refresh(weights, tables, row_starts, where, key, features)
         hot = self._hot[1]
         info, fits = self._info[features]
         return Resident(hot, hs.words, info, fits, self.report.window_bytes if self.use_window else 0)
@@ -274,9 +275,9 @@ class Residency:
             self._device, self._sup = weights.device, sup
         return self._sup
 
-    def _refresh(self, weights, tables, row_starts, where, key, features, capturing) -> None:
-        """A copy placed for the table's storage, taken again if the table may have changed (or
-        captured), and the features' Resident.info."""
+    def _refresh(self, weights, tables, row_starts, where, key, features) -> None:
+        """A copy placed for the table's storage, taken again if the table may have changed, and
+        the features' Resident.info."""
         hs = self.hot_set
         if self._hot is None or self._hot[0] != where:
             views = tables()
@@ -284,10 +285,9 @@ class Residency:
                               dtype=weights.dtype, device=weights.device)
             self._hot, self._info, self._copied = (where, hot, *layout(views, hot, hs)), {}, None
         _, hot, elem, rel = self._hot
-        if capturing or self._copied != key:
+        if self._copied != key:
             copy_hot(hot, tables(), hs, row_starts, elem)
-            # a captured copy runs at replay: the eager copy is as stale as before
-            self._copied = None if capturing else key
+            self._copied = key
         if features not in self._info:
             rows = [row_starts[t + 1] - row_starts[t] for t in range(len(rel))]
             info = [[row_starts[t], rows[t], rel[t]] for t in features]
