@@ -8,20 +8,10 @@ kernel in a default lookup.
 
 import torch
 import triton
-import triton.language as tl
 
 import embfuse
 from embfuse.bench.workloads import Workload, generate_batch
-
-
-@triton.jit
-def _max_kernel(x, n, out, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    lanes = tl.arange(0, BLOCK)
-    v = tl.load(x + start + lanes, mask=lanes < tl.maximum(tl.minimum(n - start, BLOCK), 0).to(tl.int32), other=0)
-    m = tl.max(v)
-    tl.atomic_max(out, m, mask=m > 1 << 40)
-
+from values_read_floor import kernel_times, read_max_kernel  # (this folder is on the path)
 
 w = Workload("one table", "bag", 10_000_000, 128, 65536, 64, "powerlaw", 1.05)
 table = torch.randn(w.rows, w.dim, device="cuda")
@@ -33,19 +23,13 @@ n = ids.numel()
 cases = {
     "torch amax": lambda: ids.amax(),
     "torch clone": lambda: ids.clone(),
-    "triton max 2048/4w": lambda: _max_kernel[(triton.cdiv(n, 2048),)](ids, n, out, BLOCK=2048, num_warps=4),
-    "triton max 4096/8w": lambda: _max_kernel[(triton.cdiv(n, 4096),)](ids, n, out, BLOCK=4096, num_warps=8),
+    "triton max 2048/4w": lambda: read_max_kernel[(triton.cdiv(n, 2048),)](ids, n, out, BLOCK=2048, CHUNKS=1,
+                                                                          num_warps=4),
+    "triton max 4096/8w": lambda: read_max_kernel[(triton.cdiv(n, 4096),)](ids, n, out, BLOCK=4096, CHUNKS=1,
+                                                                          num_warps=8),
     "embfuse check": lambda: embfuse.embedding_bag(ids.view(65536, 64), table),
 }
 with torch.no_grad():
     for name, f in cases.items():
-        for _ in range(5):
-            f()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(30):
-                flush.zero_()
-                f()
-            torch.cuda.synchronize()
-        times = {e.key[:40]: round(e.device_time_total / 30, 1) for e in prof.key_averages() if e.device_time_total > 0}
-        print(name, times, flush=True)
+        print(name, kernel_times(f, 30, True, flush, drop=()), flush=True)
 print("ids MB", ids.numel() * 8 / 1e6)
