@@ -15,7 +15,7 @@ def test_workload_names_are_unique():
         assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("dist,alpha", [("uniform", 0.0), ("powerlaw", 1.05), ("hotset", 0.9)])
+@pytest.mark.parametrize("dist,alpha", [("uniform", 0.0), ("powerlaw", 1.05), ("ranked", 1.05), ("hotset", 0.9)])
 def test_generators_stay_in_range_and_skew_as_asked(dist, alpha):
     w = Workload("t", "bag", 100_000, 4, 512, 16, dist, alpha)
     ids, offsets = generate_batch(w, "cpu")
@@ -23,6 +23,9 @@ def test_generators_stay_in_range_and_skew_as_asked(dist, alpha):
     assert 0 <= int(ids.min()) and int(ids.max()) < w.rows
     distinct = ids.unique().numel() / ids.numel()
     assert distinct > 0.9 if dist == "uniform" else distinct < 0.6
+    # ranked: the hottest rows are the first ones; powerlaw scatters them over the table
+    first = (ids < w.rows // 100).double().mean()
+    assert first > 0.5 if dist == "ranked" else first < 0.2  # (rank 0 is id 0 either way)
 
 
 def test_csr_batch_and_byte_count():
@@ -128,9 +131,10 @@ def test_l2_bench_batches_and_report_on_cpu(tmp_path):
     b12 = residency._batch(small[1], "cpu", 0)
     assert b12.keys() == [f"f{i}" for i in range(12)] and bool((b12.values() < 1000).all())
     row = {"workload": "w", "embfuse": 10.0, "embfuse resident": 8.0, "fbgemm": "skipped", "hit": 0.5,
-           "window_MB": 1.0, "dram_bound_us": 5.0, "all_in_l2_us": 4.0}
+           "residency": "in place", "window_MB": 1.0, "dram_bound_us": 5.0, "all_in_l2_us": 4.0}
     meta = {"gpu": "g", "torch": "t", "triton": "3", "fbgemm_gpu": None, "commit": "c", "date": "d",
             "copy_bandwidth_GBps": 1.0, "persisting": {"max_persisting_bytes": 2**20}}
     path = residency.write({"meta": meta, "rows": [row]}, tmp_path)
     text = path.read_text()
     assert "| w | 10.0 | 8.0 |" in text and "1.25x" in text and (tmp_path / "bench-l2.json").exists()
+    assert "| 0.50 (in place) |" in text

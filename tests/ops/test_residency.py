@@ -9,8 +9,8 @@ from embfuse.ops import l2
 from embfuse.ops.bags import ROW_START, SUM, bag_of_value
 from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding_bag import embedding_bag_forward
-from embfuse.ops.residency import (MIN_HIT_RATE, Resident, choose, copy_hot, layout, remap_reference,
-                                   remap_values_reference, remap_words)
+from embfuse.ops.residency import (IN_PLACE_SHARE, MIN_HIT_RATE, Resident, choose, copy_hot, layout,
+                                   remap_reference, remap_values_reference, remap_words)
 from embfuse.ops.validate import remap_ids, validate_bags, validate_collection
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 from tests.ops.test_collection import FEATURES, TABLES, batch
@@ -21,6 +21,12 @@ def _powerlaw(n, rows, generator=None):
     u = torch.rand(n, generator=generator, dtype=torch.float64)
     rank = ((1 - u) ** (-1 / 0.2) - 1).clamp(max=rows - 1).long()
     return (rank * 2_654_435_761) % rows
+
+
+def _ranked(n, rows, generator=None):
+    """_powerlaw's ranks as the ids: rows numbered by frequency, the hottest first."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    return ((1 - u) ** (-1 / 0.2) - 1).clamp(max=rows - 1).long()
 
 
 def test_remap_words_match_a_count_of_hot_rows_below():
@@ -52,6 +58,37 @@ def test_choose_takes_hot_rows_first_within_the_budget_and_lays_tables_out_in_ru
     assert density[taken].min() >= density[~taken].max() or hs.nbytes + 64 > 4096
     hit = torch.isin(rows[1::2], hs.rows).double().mean().item()
     assert hs.hit_rate == pytest.approx(hit) and hit > MIN_HIT_RATE
+
+
+def test_choose_reads_in_place_the_run_of_rows_that_serves_the_most_lookups():
+    # two tables, rows 16 and 64 bytes, a 100-byte gap between them in the weights; the second
+    # table's ids are numbered by frequency from row 40 on: its rows 40.. are the hot run
+    row_starts, row_bytes, row_at = [0, 1000, 1500], [16, 64], [0, 1000 * 16 + 100]
+    g = torch.Generator().manual_seed(2)
+    rows = torch.cat([_powerlaw(4000, 1000, g), 1040 + _ranked(40000, 460, g)])[torch.randperm(44000, generator=g)]
+    copy = choose(rows, row_starts, row_bytes, budget=4096)
+    hs = choose(rows, row_starts, row_bytes, budget=4096, row_at=row_at)
+    assert copy.in_place is None and hs.in_place is not None
+    first, end, at = hs.in_place
+    assert first == 1040 and end > first and at == row_at[1] + 40 * 64
+    assert hs.nbytes == (end - first) * 64 <= copy.nbytes
+    judged = rows[1::2]
+    assert hs.hit_rate == pytest.approx(hs.serves(judged).double().mean().item())
+    assert hs.hit_rate >= IN_PLACE_SHARE * copy.hit_rate and copy.hit_rate == pytest.approx(
+        copy.serves(judged).double().mean().item())
+    assert hs.rows.numel() == 0 and all(k == 0 for _, k in hs.tables)
+    # the run must be where the counted lookups crowd: a run that served more lookups would be
+    # at most as many bytes (the run from every counted row on, counted on the even lookups)
+    counted = rows[0::2]
+    best = max(((counted >= r) & (counted < r + (end - first))).sum().item() for r in range(1040, 1100))
+    assert ((counted >= first) & (counted < end)).sum().item() == best
+
+
+def test_choose_keeps_the_copy_when_the_hot_rows_are_scattered():
+    g = torch.Generator().manual_seed(1)
+    rows = torch.cat([_powerlaw(20000, 1000, g), 1000 + _powerlaw(20000, 500, g)])
+    hs = choose(rows, [0, 1000, 1500], [16, 64], budget=4096, row_at=[0, 16000])
+    assert hs.in_place is None and hs.rows.numel() > 0
 
 
 def test_choose_turns_itself_off_when_nothing_is_hot():
@@ -283,3 +320,51 @@ def test_single_table_module_on_the_gpu(dtype):
     assert pinned.l2_residency.active
     # with grad recorded the lookup is the plain one (and its gradient torch's)
     assert torch.equal(plain(ids), pinned(ids))
+
+
+@pytest.mark.gpu
+def test_ids_numbered_by_frequency_are_read_in_place_and_kept_in_a_cuda_graph():
+    """No copy and no rewrite: the window lies over the table's first rows. A captured lookup
+    keeps it (nothing to copy at replay) and reads the table as it is at replay."""
+    torch.manual_seed(6)
+    plain = embfuse.nn.EmbeddingBag(200_000, 64, mode="sum", device="cuda")  # 51 MB: past any window
+    pinned = embfuse.nn.EmbeddingBag(200_000, 64, mode="sum", device="cuda", pin_hot_rows_in_l2=True)
+    pinned.load_state_dict(plain.state_dict())
+    ids = _ranked(4096 * 20, 200_000, torch.Generator().manual_seed(7)).view(4096, 20).cuda()
+    stream = torch.cuda.current_stream()
+    with torch.no_grad():
+        assert torch.equal(plain(ids), pinned(ids))
+        report, hs = pinned.l2_residency, pinned._residency.hot_set
+        assert report.active and report.in_place and report.window_bytes > 0 and report.hit_rate >= MIN_HIT_RATE
+        assert hs.in_place[0] == 0 and hs.in_place[2] == 0 and report.hot_rows == hs.in_place[1]
+        s = torch.cuda.Stream()
+        s.wait_stream(stream)
+        with torch.cuda.stream(s):
+            pinned(ids)
+        stream.wait_stream(s)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph):
+            out = pinned(ids)
+        assert (pinned.weight.data_ptr(), report.window_bytes) in l2.kernel_node_windows(graph)
+        for scale in (1.0, 3.0):
+            pinned.weight.mul_(scale)
+            plain.weight.mul_(scale)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain(ids))
+        # a collection: the run is found in its flat buffer, over the second table's first rows
+        tables = [embfuse.EmbeddingBagConfig(1000, 16, "a", feature_names=["f0"]),
+                  embfuse.EmbeddingBagConfig(200_000, 64, "b", feature_names=["f1"], pooling="mean")]
+        c_plain = embfuse.EmbeddingBagCollection(tables, device="cuda")
+        c_pinned = embfuse.EmbeddingBagCollection(tables, device="cuda", pin_hot_rows_in_l2=True)
+        c_pinned.load_state_dict(c_plain.state_dict())
+        g = torch.Generator().manual_seed(8)
+        values = torch.cat([torch.randint(0, 1000, (4096,), generator=g), _ranked(4096 * 20, 200_000, g)])
+        kjt = embfuse.KeyedJaggedTensor(["f0", "f1"], values.cuda(),
+                                        lengths=torch.tensor([1] * 4096 + [20] * 4096, device="cuda"))
+        assert torch.equal(c_plain(kjt).values(), c_pinned(kjt).values())
+        assert c_pinned.l2_residency.in_place
+        first, end, at = c_pinned._residency.hot_set.in_place  # (with these ids it takes in a's last rows too)
+        a, b = c_pinned.table_weights()
+        assert first <= 1000 < end
+        assert at == (a[first] if first < 1000 else b[first - 1000]).data_ptr() - c_pinned.weights.data_ptr()

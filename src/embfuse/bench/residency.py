@@ -34,10 +34,14 @@ WORKLOADS = [
     *(Workload(f"bag D{d} B{b} L64 powerlaw1.05", "bag", 10_000_000, d, b, 64, "powerlaw", 1.05, group="l2")
       for d in (32, 128) for b in (16384, 65536)),
     Workload("bag D128 B65536 L64 uniform", "bag", 10_000_000, 128, 65536, 64, group="l2"),
+    *(Workload(f"bag D{d} B65536 L64 ranked1.05", "bag", 10_000_000, d, 65536, 64, "ranked", 1.05, group="l2")
+      for d in (32, 128)),
     Workload("collection 26 criteo x 128, B16384 L1-99 powerlaw1.05", "collection", 10_000_000, 128, 16384, 50,
              "powerlaw", 1.05, tables=26, group="l2"),
     Workload("collection 12 x 500K x 128, B2048 L1-299 powerlaw1.05", "collection", 500_000, 128, 2048, 150,
              "powerlaw", 1.05, tables=12, group="l2"),
+    Workload("collection 12 x 500K x 128, B2048 L1-299 ranked1.05", "collection", 500_000, 128, 2048, 150,
+             "ranked", 1.05, tables=12, group="l2"),
 ]
 PROVIDERS = ("embfuse", "embfuse resident", "embfuse resident, reset", "embfuse-off", "fbgemm", "fbgemm-none")
 # measured beside them, to split the gain: the same rewritten ids and copy, read without a window
@@ -127,10 +131,10 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
                     if name == "embfuse resident":
                         report = m.l2_residency
                         row.update(hot_rows=report.hot_rows, window_MB=report.window_bytes / 2**20,
-                                   hit_counted=report.hit_rate, residency=report.reason or "on")
+                                   hit_counted=report.hit_rate, residency=report.reason or (
+                                       "in place" if report.in_place else "copy"))
                         if report.active:
-                            hot = m._residency.hot_set.rows
-                            row["hit"] = float(torch.isin(global_rows, hot).double().mean())
+                            row["hit"] = float(m._residency.hot_set.serves(global_rows).double().mean())
 
                     lookup = _lookup(w, m, kjt)
 
@@ -178,7 +182,7 @@ def markdown(result: dict) -> str:
             return f"{vb / va:.2f}x" if isinstance(va, float) and isinstance(vb, float) else "-"
         lines.append(f"| {r['workload']} | " + " | ".join(f(r.get(p)) for p in PROVIDERS)
                      + f" | {x('embfuse resident', 'embfuse')} | {x('embfuse resident', 'fbgemm')} | "
-                     + (f"{r['hit']:.2f}" if "hit" in r else r.get("residency", "-"))
+                     + (f"{r['hit']:.2f} ({r.get('residency', '-')})" if "hit" in r else r.get("residency", "-"))
                      + f" | {r.get('window_MB', 0):.1f} | {r['dram_bound_us']:.1f} | {r['all_in_l2_us']:.1f} | "
                      + " | ".join(f(r.get(p)) for p in DIAGNOSTICS + BACK_TO_BACK) + " |")
     return "\n".join(lines)

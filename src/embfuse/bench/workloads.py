@@ -23,7 +23,8 @@ class Workload:
     backward to a dense weight gradient); "collection" / "collection-train" /
     "collection-train-rowwise": a table collection fed one keyed batch (bench/collection.py).
 
-    dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table) or
+    dist: "uniform", "powerlaw" (continuous, exponent alpha, ranks hashed over the table),
+    "ranked" (the same ranks as ids: rows numbered by frequency, the hottest first) or
     "hotset" (a fraction `alpha` of accesses to 1/1000 of the rows). layout: "fixed" (2-D ids,
     L per bag) or "csr" (lengths uniform in [0, 2L]). tables > 1: that many tables looked up
     with the same batch shape (the DLRM case)."""
@@ -55,7 +56,7 @@ def generate_ids(w: Workload, n: int, device, generator: torch.Generator) -> tor
     if w.dist == "uniform":
         return torch.randint(0, w.rows, (n,), device=device, generator=generator)
     u = torch.rand(n, device=device, generator=generator, dtype=torch.float64)
-    if w.dist == "powerlaw":
+    if w.dist in ("powerlaw", "ranked"):
         # inverse CDF of p(x) ~ x^-alpha on [1, rows + 1)
         a = 1.0 - w.alpha
         rank = (1.0 + u * ((w.rows + 1.0) ** a - 1.0)) ** (1.0 / a) - 1.0
@@ -66,7 +67,7 @@ def generate_ids(w: Workload, n: int, device, generator: torch.Generator) -> tor
         rank = torch.where(u < w.alpha, (u / w.alpha * hot).long().clamp_(max=hot - 1), cold)
     else:
         raise ValueError(f"unknown distribution {w.dist!r}")
-    return (rank * _HASH) % w.rows
+    return rank if w.dist == "ranked" else (rank * _HASH) % w.rows
 
 
 def generate_batch(w: Workload, device, seed: int = 0):

@@ -406,8 +406,8 @@ class EmbeddingBagCollection(_Collection):
         resident = None if trains else self._resident(plan, kjt.values(), kjt.offsets(), B)
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh, remap=resident,
-            tail=kjt._padded)
+            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh,
+            remap=resident and resident.remap, tail=kjt._padded)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
                                              None if check is None else check.status, accumulation(self.weights))

@@ -512,14 +512,14 @@ def embedding_bag(
 def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
                 include_last_offset, padding_idx, bounds_check, name, resident=None) -> Tensor:
     """embedding_bag's lookup (`sparse`: a layout number). `resident` (ops/residency.py; a lookup
-    that records no gradient): the check rewrites the ids to read hot rows from their copy, and
-    the pooling runs under its persisting window."""
+    that records no gradient): the check rewrites the ids to read hot rows from their copy (unless
+    they are read in place), and the pooling runs under its persisting window."""
     grad = needs_op(weight, per_sample_weights)
     direct = not grad and resident is None and pools_with_kernels(weight)
     indices, offsets, per_sample_weights, mode, padding_idx, check, open_end = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident, fold=not grad,
-        open_end=direct)
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident and resident.remap,
+        fold=not grad, open_end=direct)
     if grad:
         status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,

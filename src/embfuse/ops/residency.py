@@ -33,6 +33,15 @@ from pinning over the L2's ordinary caching); rows are taken hottest-per-byte fi
 persisting set-aside the device allows (cuDeviceGetAttribute: max persisting L2, max window).
 If the rows taken serve fewer than MIN_HIT_RATE of the lookups, residency turns itself off
 (uniform ids: nothing is hot, and the window would only take L2 away).
+
+In place: when the counted lookups crowd into one run of rows (ids numbered by frequency, as
+many vocabularies are, put the hottest rows first; a table smaller than the copy), the window
+can lie over the table itself, and there is nothing to copy or rewrite. `choose` also finds the
+run of rows, as many bytes as the copy, that serves the most counted lookups, and reads in place
+when that run serves at least IN_PLACE_SHARE of what the copy serves (held out, as the copy):
+the rewrite costs about what the window gives at the measured shapes (benchmarks/NOTES.md,
+session 25), so the run need not match the copy to win. A lookup captured into a CUDA graph
+keeps an in-place window (its kernel nodes carry it; the table is read as it is at replay).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from torch import Tensor
 from embfuse._triton import tl, triton, use_kernels
 
 MIN_HIT_RATE = 0.10
+IN_PLACE_SHARE = 0.5
 # per-feature columns of Resident.info
 FIRST_ROW, ROWS, REL = 0, 1, 2
 
@@ -57,7 +67,9 @@ class HotSet:
     """A chosen hot set: `rows` the hot global rows ascending; `words` the remap words;
     `tables[t]` = (first slot, count) of table t's hot rows; `hit_rate` the share of the counted
     batch's lookups they serve (held out: see `choose`); `nbytes` the copy's size; `reason` why
-    there is none (rows empty)."""
+    there is none (rows empty). `in_place`: (first global row, end, byte offset of the first in
+    the weights) of a run read in place instead (module docstring; `nbytes` its bytes, rows and
+    words empty)."""
 
     rows: Tensor
     words: Tensor
@@ -65,6 +77,13 @@ class HotSet:
     hit_rate: float
     nbytes: int
     reason: str = ""
+    in_place: Optional[tuple[int, int, int]] = None
+
+    def serves(self, global_rows: Tensor) -> Tensor:
+        """Which of `global_rows` the hot set holds."""
+        if self.in_place is not None:
+            return (global_rows >= self.in_place[0]) & (global_rows < self.in_place[1])
+        return torch.isin(global_rows, self.rows)
 
 
 def remap_words(rows: Tensor, num_rows: int) -> Tensor:
@@ -92,9 +111,12 @@ def remap_reference(global_rows: Tensor, words: Tensor) -> tuple[Tensor, Tensor]
     return hot, (word >> 32) + count
 
 
-def choose(global_rows: Tensor, row_starts: list[int], row_bytes: list[int], budget: int) -> HotSet:
+def choose(global_rows: Tensor, row_starts: list[int], row_bytes: list[int], budget: int,
+           row_at: Optional[list[int]] = None) -> HotSet:
     """The hot set for the lookups `global_rows` of tables starting at global rows `row_starts`
     (T + 1 entries) with rows of `row_bytes` bytes, at most `budget` bytes (module docstring).
+    `row_at`: where each table's first row lies in the weights, in bytes (tables in order, rows
+    packed), to weigh reading a run in place; None: the copy only.
 
     Chosen from every other lookup and judged on the others: counted in-sample, a uniform
     batch's rows seen twice look hot by chance (11% of 50K uniform lookups over 100K rows), and
@@ -123,11 +145,32 @@ def choose(global_rows: Tensor, row_starts: list[int], row_bytes: list[int], bud
     hit = torch.isin(judged, hot_rows).sum() / judged.numel()
     nbytes = size[taken].sum()
     per_table = torch.bincount(table[taken], minlength=len(row_starts) - 1)
-    hit, nbytes, per_table = float(hit), int(nbytes), per_table.tolist()
+    run = [] if row_at is None else _best_run(rows, counts, table, size, starts, row_at, nbytes, judged)
+    read = torch.cat([torch.stack([t.double() for t in (hit, nbytes, *run)]), per_table.double()]).tolist()
+    hit, nbytes, run, per_table = read[0], int(read[1]), read[2:2 + len(run)], [int(k) for k in read[2 + len(run):]]
     if hit < MIN_HIT_RATE:
         return off(hit, f"the hottest rows that fit serve {hit:.1%} of lookups (< {MIN_HIT_RATE:.0%}): nothing is hot")
+    if run and run[0] >= max(IN_PLACE_SHARE * hit, MIN_HIT_RATE):
+        in_hit, first, end, at, span = run
+        return HotSet(empty, empty, [(0, 0)] * (len(row_starts) - 1), in_hit, int(span), in_place=(
+            int(first), int(end), int(at)))
     tables = list(zip(itertools.accumulate(per_table, initial=0), per_table))
     return HotSet(hot_rows, remap_words(hot_rows, num_rows), tables, hit, nbytes)
+
+
+def _best_run(rows, counts, table, size, starts, row_at, budget, judged) -> list[Tensor]:
+    """The run of global rows lying within `budget` bytes of the weights that serves the most
+    counted lookups (`rows`: the distinct counted rows ascending, `counts`, their `table` and
+    row `size`): [its held-out hit rate, first row, end row, byte offset, bytes], 0-d float64
+    tensors (exact below 2**53). Device ops."""
+    at = torch.tensor(row_at, dtype=torch.float64, device=rows.device)[table] + (rows - starts[table]) * size
+    end = at + size  # ascending with `rows`: tables in order, rows packed
+    hits = torch.cumsum(counts, 0)
+    last = torch.searchsorted(end, at + budget, right=True) - 1  # the last counted row of the run from each on
+    best = torch.argmax(hits[last] - hits + counts)
+    first, final = rows[best], rows[last[best]]
+    in_hit = ((judged >= first) & (judged <= final)).sum() / judged.numel()
+    return [in_hit.double(), first.double(), final.double() + 1, at[best], end[last[best]] - at[best]]
 
 
 @dataclass
@@ -135,13 +178,19 @@ class Resident:
     """What the check's rewrite reads: `hot` (the copy), `words`, and `info` (F, 3): per feature its
     table's first global row, its rows (ids outside [0, rows) are left as they are, for the
     check's verdict) and `rel` (new id of slot 0: module docstring); `int32`: whether every new
-    id fits in int32; `window`: bytes of `hot` to mark persisting."""
+    id fits in int32; `window`: bytes of `hot` to mark persisting. Read in place: `hot` is the
+    run's first row in the weights, and `words` and `info` are None (nothing to rewrite)."""
 
     hot: Tensor
-    words: Tensor
-    info: Tensor
+    words: Optional[Tensor]
+    info: Optional[Tensor]
     int32: bool
     window: int = 0
+
+    @property
+    def remap(self) -> Optional["Resident"]:
+        """What the check rewrites the ids by (validate's `remap=`): None when read in place."""
+        return None if self.words is None else self
 
 
 def remap_values_reference(values: Tensor, feature: Tensor, resident: Resident) -> Tensor:
@@ -201,13 +250,15 @@ def layout(tables: list[Tensor], hot: Tensor, hot_set: HotSet) -> tuple[list[int
 @dataclass(frozen=True)
 class ResidencyReport:
     """What residency does now: `active`, the share of the counted batch's lookups its rows
-    serve (`hit_rate`), the window (`window_bytes`), `hot_rows`, and why it is off (`reason`)."""
+    serve (`hit_rate`), the window (`window_bytes`), `hot_rows`, whether they are read
+    `in_place` (a run of the table) or from a copy, and why it is off (`reason`)."""
 
     active: bool
     hit_rate: float = 0.0
     window_bytes: int = 0
     hot_rows: int = 0
     reason: str = ""
+    in_place: bool = False
 
 
 class Residency:
@@ -216,9 +267,10 @@ class Residency:
 
     A module calls `resident(...)` per lookup that trains nothing, has its check rewrite the ids
     (ops/validate.py, `remap=`) and looks them up inside `window(resident)`. Counting reads the
-    device once (on its schedule only). A lookup captured into a CUDA graph is the plain one: its
-    replays would have to copy the hot rows each time (the table may change between them), and
-    measured so, no replay gained (benchmarks/NOTES.md, session 27)."""
+    device once (on its schedule only). A lookup captured into a CUDA graph keeps only a window
+    read in place; with a copy it is the plain one: its replays would have to copy the hot rows
+    each time (the table may change between them), and measured so, no replay gained
+    (benchmarks/NOTES.md, session 27)."""
 
     def __init__(self, refresh: int = 1000):
         if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
@@ -245,14 +297,17 @@ class Residency:
         if not sup.ok:
             self.report = ResidencyReport(False, reason=sup.reason)
             return None
-        if torch.cuda.is_current_stream_capturing():
-            return None
+        if torch.cuda.is_current_stream_capturing():  # (counting reads the device)
+            return self._in_place(weights)
         if self.calls % self.refresh == 0 or self.hot_set is None:
             with torch.inference_mode(False), torch.no_grad():
-                self._choose(global_rows(), tables(), row_starts, min(sup.max_persisting_bytes, sup.max_window_bytes))
+                self._choose(weights, global_rows(), tables(), row_starts,
+                             min(sup.max_persisting_bytes, sup.max_window_bytes))
         self.calls += 1
         hs = self.hot_set
-        if hs is None or not hs.rows.numel():
+        if hs is None or hs.in_place is not None:
+            return self._in_place(weights)
+        if not hs.rows.numel():
             return None
         where = (weights.data_ptr(), weights.dtype)
         key = (weights._version, step)
@@ -263,6 +318,15 @@ class Residency:
         hot = self._hot[1]
         info, fits = self._info[features]
         return Resident(hot, hs.words, info, fits, self.report.window_bytes if self.use_window else 0)
+
+    def _in_place(self, weights: Tensor) -> Optional[Resident]:
+        """The Resident of a hot set read in place (its window over the weights as they are
+        now), else None."""
+        hs = self.hot_set
+        if hs is None or hs.in_place is None or self.report.window_bytes == 0:
+            return None
+        first = weights.reshape(-1)[hs.in_place[2] // weights.element_size():]
+        return Resident(first, None, None, False, self.report.window_bytes if self.use_window else 0)
 
     def _support(self, weights: Tensor):
         """ops/l2.py's support for the weights' device (cached: it is asked every lookup)."""
@@ -294,15 +358,25 @@ class Residency:
             fits = all(abs(r) + hs.rows.numel() < 2**31 for r in rel) and max(rows) < 2**31
             self._info[features] = (torch.tensor(info, dtype=torch.int64, device=weights.device), fits)
 
-    def _choose(self, global_rows: Tensor, tables: list[Tensor], row_starts: list[int], budget: int) -> None:
+    def _choose(self, weights: Tensor, global_rows: Tensor, tables: list[Tensor], row_starts: list[int],
+                budget: int) -> None:
         from embfuse.ops import l2
 
-        hs = choose(global_rows, row_starts, [t.shape[1] * t.element_size() for t in tables], budget)
+        row_bytes = [t.shape[1] * t.element_size() for t in tables]
+        row_at = [t.data_ptr() - weights.data_ptr() for t in tables]
+        packed = weights.is_contiguous() and all(t.stride() == (t.shape[1], 1) for t in tables) and all(
+            a + (row_starts[i + 1] - row_starts[i]) * b <= c for i, (a, b, c) in enumerate(zip(row_at, row_bytes,
+                                                                                               row_at[1:])))
+        hs = choose(global_rows, row_starts, row_bytes, budget, row_at if packed else None)
         self.hot_set, self._hot, self._info, self._copied = hs, None, {}, None
+        if hs.in_place is not None:
+            self.report = ResidencyReport(True, hs.hit_rate, min(hs.nbytes, l2.reserve(hs.nbytes)),
+                                          hs.in_place[1] - hs.in_place[0], in_place=True)
+            return
         if not hs.rows.numel():
             self.report = ResidencyReport(False, hs.hit_rate, reason=hs.reason)
             return
-        span = hs.nbytes + sum(t.shape[1] * t.element_size() for t in tables)  # with the runs' padding
+        span = hs.nbytes + sum(row_bytes)  # with the runs' padding
         window = min(span, l2.reserve(span))
         self.report = ResidencyReport(True, hs.hit_rate, window, int(hs.rows.numel()))
 
