@@ -317,7 +317,14 @@ def test_single_table_module_on_the_gpu(dtype):
     ids = _powerlaw(512 * 20, 4000, g).view(512, 20).cuda()
     with torch.no_grad():
         assert torch.equal(plain(ids), pinned(ids))
-    assert pinned.l2_residency.active
+        assert pinned.l2_residency.active and not pinned.l2_residency.in_place
+        # cast to a wider or narrower dtype, the hot set is sized again before the copy is made
+        other = torch.float16 if dtype == torch.float32 else torch.float32
+        plain.to(other)
+        pinned.to(other)
+        assert torch.equal(plain(ids), pinned(ids)) and pinned.l2_residency.active
+        plain.to(dtype)
+        pinned.to(dtype)
     # with grad recorded the lookup is the plain one (and its gradient torch's)
     assert torch.equal(plain(ids), pinned(ids))
 
@@ -352,6 +359,11 @@ def test_ids_numbered_by_frequency_are_read_in_place_and_kept_in_a_cuda_graph():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, plain(ids))
+        # a table cast to another dtype is sized again: the run's bytes are the new dtype's
+        plain.half()
+        pinned.half()
+        assert torch.equal(plain(ids), pinned(ids))
+        assert pinned.l2_residency.in_place and 0 < pinned.l2_residency.window_bytes < report.window_bytes
         # a collection: the run is found in its flat buffer, over the second table's first rows
         tables = [embfuse.EmbeddingBagConfig(1000, 16, "a", feature_names=["f0"]),
                   embfuse.EmbeddingBagConfig(200_000, 64, "b", feature_names=["f1"], pooling="mean")]

@@ -283,6 +283,7 @@ class Residency:
         self._copied = None  # what the copy was taken from
         self._info = {}
         self._device, self._sup = None, None
+        self._dtype = None  # the weights' dtype the hot set was sized for
         self.use_window = True  # False for measurements only (bench/residency.py): the copy without a window
 
     def resident(self, weights: Tensor, tables, row_starts: list[int], global_rows, feature_tables: list[int],
@@ -299,7 +300,7 @@ class Residency:
             return None
         if torch.cuda.is_current_stream_capturing():  # (counting reads the device)
             return self._in_place(weights)
-        if self.calls % self.refresh == 0 or self.hot_set is None:
+        if self.calls % self.refresh == 0 or self.hot_set is None or self._dtype != weights.dtype:
             with torch.inference_mode(False), torch.no_grad():
                 self._choose(weights, global_rows(), tables(), row_starts,
                              min(sup.max_persisting_bytes, sup.max_window_bytes))
@@ -323,7 +324,7 @@ class Residency:
         """The Resident of a hot set read in place (its window over the weights as they are
         now), else None."""
         hs = self.hot_set
-        if hs is None or hs.in_place is None or self.report.window_bytes == 0:
+        if hs is None or hs.in_place is None or self.report.window_bytes == 0 or self._dtype != weights.dtype:
             return None
         first = weights.reshape(-1)[hs.in_place[2] // weights.element_size():]
         return Resident(first, None, None, False, self.report.window_bytes if self.use_window else 0)
@@ -368,7 +369,7 @@ class Residency:
             a + (row_starts[i + 1] - row_starts[i]) * b <= c for i, (a, b, c) in enumerate(zip(row_at, row_bytes,
                                                                                                row_at[1:])))
         hs = choose(global_rows, row_starts, row_bytes, budget, row_at if packed else None)
-        self.hot_set, self._hot, self._info, self._copied = hs, None, {}, None
+        self.hot_set, self._hot, self._info, self._copied, self._dtype = hs, None, {}, None, weights.dtype
         if hs.in_place is not None:
             self.report = ResidencyReport(True, hs.hit_rate, min(hs.nbytes, l2.reserve(hs.nbytes)),
                                           hs.in_place[1] - hs.in_place[0], in_place=True)
