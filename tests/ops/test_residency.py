@@ -257,6 +257,20 @@ def test_collection_on_the_gpu_bitwise_state_dict_window_and_refresh():
         assert e_pinned.l2_residency.active
 
 
+def _captured(lookup):
+    """(graph, output) of `lookup` captured into a CUDA graph kept for inspection, after one
+    warm-up call on a side stream (as torch.cuda.graphs asks)."""
+    stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        lookup()
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        out = lookup()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_a_lookup_captured_in_a_cuda_graph_is_the_plain_one():
     """A replay would have to copy the hot rows again (the table may change between replays), and
@@ -264,17 +278,9 @@ def test_a_lookup_captured_in_a_cuda_graph_is_the_plain_one():
     which reads the table as it is at replay; eager lookups stay resident."""
     plain, pinned = _criteo_like("cuda", False), _criteo_like("cuda", True)
     kjt = _kjt("cuda")
-    stream = torch.cuda.current_stream()
     with torch.no_grad():
         pinned(kjt)  # counts and copies eagerly
-        s = torch.cuda.Stream()
-        s.wait_stream(stream)
-        with torch.cuda.stream(s):
-            pinned(kjt)
-        stream.wait_stream(s)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph):
-            out = pinned(kjt).values()
+        graph, out = _captured(lambda: pinned(kjt).values())
         assert l2.kernel_node_windows(graph) and not any(n for _, n in l2.kernel_node_windows(graph))
         for scale in (1.0, 3.0):
             pinned.weights.mul_(scale)
@@ -338,20 +344,12 @@ def test_ids_numbered_by_frequency_are_read_in_place_and_kept_in_a_cuda_graph():
     pinned = embfuse.nn.EmbeddingBag(200_000, 64, mode="sum", device="cuda", pin_hot_rows_in_l2=True)
     pinned.load_state_dict(plain.state_dict())
     ids = _ranked(4096 * 20, 200_000, torch.Generator().manual_seed(7)).view(4096, 20).cuda()
-    stream = torch.cuda.current_stream()
     with torch.no_grad():
         assert torch.equal(plain(ids), pinned(ids))
         report, hs = pinned.l2_residency, pinned._residency.hot_set
         assert report.active and report.in_place and report.window_bytes > 0 and report.hit_rate >= MIN_HIT_RATE
         assert hs.in_place[0] == 0 and hs.in_place[2] == 0 and report.hot_rows == hs.in_place[1]
-        s = torch.cuda.Stream()
-        s.wait_stream(stream)
-        with torch.cuda.stream(s):
-            pinned(ids)
-        stream.wait_stream(s)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph):
-            out = pinned(ids)
+        graph, out = _captured(lambda: pinned(ids))
         assert (pinned.weight.data_ptr(), report.window_bytes) in l2.kernel_node_windows(graph)
         for scale in (1.0, 3.0):
             pinned.weight.mul_(scale)
