@@ -338,9 +338,10 @@ class EmbeddingBagCollection(_Collection):
 
     `pin_hot_rows_in_l2=True` (GPU lookups that train nothing: inference, evaluation): each
     table's most looked-up rows, counted from a batch every `l2_refresh` lookups, are copied into
-    one small buffer that the lookup reads through a persisting L2 window (ops/residency.py).
-    Outputs are bitwise the same; `l2_residency` reports the hit rate and window, or why it is
-    off (no GPU, no persisting L2, nothing hot)."""
+    one small buffer that the lookup reads through a persisting L2 window (ops/residency.py), or,
+    when the lookups crowd into one run of rows (ids numbered by frequency), the window lies over
+    that run of the table itself. Outputs are bitwise the same; `l2_residency` reports the hit
+    rate, window and mode, or why it is off (no GPU, no persisting L2, nothing hot)."""
 
     _prefix = "embedding_bags"
 
@@ -393,7 +394,8 @@ class EmbeddingBagCollection(_Collection):
         """The batch restricted to this collection's features and checked (validate_collection;
         `fresh` as there): (B, plan, values, offsets, weights, check, resident). A lookup that
         `trains` nothing with pin_hot_rows_in_l2 gets the ids to read (hot rows from their copy,
-        rewritten by the check's pass) and the Resident whose window it runs in (else None)."""
+        rewritten by the check's pass, unless read in place) and the Resident whose window it runs
+        in (else None)."""
         kjt = self._features(features)
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device, kjt._padded)

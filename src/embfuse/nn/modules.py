@@ -121,7 +121,8 @@ class Embedding(FusedModule, torch.nn.Embedding):
 class EmbeddingBag(FusedModule, torch.nn.EmbeddingBag):
     """`torch.nn.EmbeddingBag` with embfuse's pooled lookup. `pin_hot_rows_in_l2` and
     `l2_refresh`: as in EmbeddingBagCollection (GPU lookups that train nothing read the most
-    looked-up rows from a copy held in a persisting L2 window; `l2_residency` reports it). Not
+    looked-up rows from a copy held in a persisting L2 window, or from the table itself when they
+    are one run of it; `l2_residency` reports it). Not
     with max_norm (it changes rows in the lookup), padding_idx or max pooling (they compare ids,
     and a rewritten id reads a row of the copy)."""
 
