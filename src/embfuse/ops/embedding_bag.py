@@ -515,18 +515,20 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
     that records no gradient): the check rewrites the ids to read hot rows from their copy (unless
     they are read in place), and the pooling runs under its persisting window."""
     grad = needs_op(weight, per_sample_weights)
-    direct = not grad and resident is None and pools_with_kernels(weight)
+    remap = None if resident is None else resident.remap
+    direct = not grad and remap is None and pools_with_kernels(weight)
     indices, offsets, per_sample_weights, mode, padding_idx, check, open_end = prepare_bags(
         input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=resident and resident.remap,
-        fold=not grad, open_end=direct)
+        include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=remap, fold=not grad,
+        open_end=direct)
     if grad:
         status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
-    elif direct:  # (pool's own choice, made once: a small call's time is the host's)
-        out, _ = embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                       with_max_ids=False, check=check, open_end=open_end)
+    elif direct:  # (pool's own choice, made once: a small call's time is the host's; ids read in place too)
+        with window(resident):
+            out, _ = embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
+                                           with_max_ids=False, check=check, open_end=open_end)
     else:  # (torch's offsets made canonical: open_end is None here)
         with window(resident):
             out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,

@@ -384,8 +384,8 @@ class Residency:
 
 def window(resident: Optional[Resident]):
     """The persisting window over `resident`'s copy on the current stream (a no-op for None)."""
-    from embfuse.ops import l2
-
     if resident is None or not resident.window:
         return contextlib.nullcontext()
+    from embfuse.ops import l2
+
     return l2.persisting(resident.hot, resident.window)
