@@ -5,8 +5,10 @@ what the GPU spends.
 One table of 10M rows, B65536 x L64, D32 and D128; power-law ids hashed over the table (the
 copy) and numbered by frequency (read in place). Modules: `off`, the default, resident, and
 resident without its window (the same copy or run, no window). The hot set is counted from
-another batch. Medians of CUDA-event timings, the L2 flushed before each call, and back to back
-(20 calls between two events, no flush).
+another batch. Medians of CUDA-event timings, the L2 flushed before each call, back to back
+(20 calls between two events, no flush), and the call captured into a CUDA graph and replayed
+(L2 flushed; a lookup with a copy is captured as the plain one, a run read in place keeps its
+window).
 Run on a GPU from the repository root: PYTHONPATH=src python benchmarks/residency/gpu_time.py
 """
 
@@ -35,6 +37,19 @@ def gpu_us(fn, flush, flushed=True, calls=1, reps=30) -> float:
     return statistics.median(times)
 
 
+def captured(fn):
+    """`fn` captured into a CUDA graph (after a warm-up call on a side stream): its replay."""
+    stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        fn()
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def measure(D: int, dist: str, flush, dev="cuda") -> str:
     w = Workload("x", "bag", 10_000_000, D, 65536, 64, dist, 1.05)
     ids, earlier = (generate_ids(w, w.batch * w.hotness, dev, torch.Generator(device=dev).manual_seed(seed))
@@ -54,12 +69,13 @@ def measure(D: int, dist: str, flush, dev="cuda") -> str:
             modules[name](earlier)  # counts the hot set
             assert torch.equal(modules[name](ids), plain(ids))
         report = modules["resident"].l2_residency
-        times = {k: (gpu_us(lambda: m(ids), flush), gpu_us(lambda: m(ids), flush, False, 20))
-                 for k, m in modules.items()}
+        times = {k: (gpu_us(lambda: m(ids), flush), gpu_us(lambda: m(ids), flush, False, 20),
+                     gpu_us(captured(lambda: m(ids)), flush)) for k, m in modules.items()}
     mode = ("in place" if report.in_place else "copy") if report.active else report.reason
     return (f"D{D} {dist} ({mode}, hit {report.hit_rate:.2f}, window {report.window_bytes / 2**20:.1f} MB) us, "
             "flushed: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in times.items())
-            + " | back to back: " + ", ".join(f"{k} {v[1]:.1f}" for k, v in times.items()))
+            + " | back to back: " + ", ".join(f"{k} {v[1]:.1f}" for k, v in times.items())
+            + " | replayed: " + ", ".join(f"{k} {v[2]:.1f}" for k, v in times.items()))
 
 
 def main():
