@@ -4,7 +4,8 @@ timings); at B65536 the largest difference of one update from the sparse one, th
 hot backward, and the bags a product program takes. The hot set comes from another batch
 (make_collection), as in training.
 
-    PYTHONPATH=src python3 benchmarks/hot_rows/hot_rows.py [batch ...]   (env KS="0 32 64", DETAIL="32 64", OPT=sgd|rowwise|adagrad|adam)
+    PYTHONPATH=src python3 benchmarks/hot_rows/hot_rows.py [batch ...]
+    (env KS="0 32 64", DETAIL="32 64", OPT=sgd|rowwise|adagrad|adam)
 """
 
 import os

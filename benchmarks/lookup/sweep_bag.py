@@ -21,6 +21,12 @@ ELEMS = (256, 512, 1024, 2048, 4096, 8192)
 WARPS = (1, 2, 4, 8)
 
 
+def default_us(rows, dim, dtype, dist) -> float:
+    """The latest time of the default config (1024 elements, 2 warps, no eviction hint) for one case."""
+    return next(r["us"] for r in rows[::-1] if r["elems"] == 1024 and r["num_warps"] == 2 and not r["evict"]
+                and (r["dim"], r["dtype"], r["dist"]) == (dim, dtype, dist))
+
+
 def main(path):
     bw = copy_bandwidth("cuda")
     rows = []
@@ -44,7 +50,7 @@ def main(path):
                    key=lambda r: r["us"])
         print(f"D{dim} {dtype} {dist}: best {best['us']:.1f} us ({100 * roof / best['us']:.0f}% roofline) with "
               f"elems={best['elems']} warps={best['num_warps']} evict={best['evict'] or '-'}; "
-              f"default {next(r['us'] for r in rows[::-1] if r['elems'] == 1024 and r['num_warps'] == 2 and not r['evict'] and r['dim'] == dim and r['dtype'] == dtype and r['dist'] == dist):.1f} us",
+              f"default {default_us(rows, dim, dtype, dist):.1f} us",
               flush=True)
         del table
         torch.cuda.empty_cache()

@@ -15,8 +15,8 @@ def test_the_distributed_bench_runs_under_torchrun_on_gloo(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                           str(free_port()), "-m", "embfuse.cli", "bench", "--distributed", "--device", "cpu",
                           "--batch-size", "32", "--rows", "500", "--dim", "4", "--hotness", "2", "--steps", "2",
-                          "--warmup", "1", "--comm-dtype", "bf16", "--compiled", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=300)
+                          "--warmup", "1", "--comm-dtype", "bf16", "--compiled", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ShardingPlan over 2 rank(s)" in run.stdout and "examples/s" in run.stdout
     result = json.loads((tmp_path / "distributed-2.json").read_text())

@@ -47,5 +47,6 @@ def test_side_by_side_is_the_gather_and_its_gradient_the_scatter():
     side = torch.randn(B * sum(WIDTHS), dtype=torch.float64, requires_grad=True)
     out = SideBySide.apply(side, B, WIDTHS, MOVES, move_table(MOVES, WIDTHS, "cpu"), side.dtype)
     blocks = torch.split(side.detach(), [B * w for w in WIDTHS])
-    assert torch.equal(out[:, 30:35], blocks[0].view(B, 5)) and torch.equal(out[:, :30], blocks[2].view(B, 130)[:, 100:])
+    assert torch.equal(out[:, 30:35], blocks[0].view(B, 5))
+    assert torch.equal(out[:, :30], blocks[2].view(B, 130)[:, 100:])
     torch.autograd.gradcheck(lambda s: SideBySide.apply(s, B, WIDTHS, MOVES, None, s.dtype), (side,))

@@ -24,7 +24,8 @@ if __name__ == "__main__":
         _all_plans(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: every plan matches the unsharded collection")
         _errors(dist.get_rank(), dist.get_world_size(), device)
-        print(f"rank {dist.get_rank()}: a bad batch on rank {dist.get_world_size() - 1} raised here too, nothing changed")
+        print(f"rank {dist.get_rank()}: a bad batch on rank {dist.get_world_size() - 1} raised here too, "
+              "nothing changed")
         with tempfile.TemporaryDirectory() as folder:
             _save(dist.get_rank(), dist.get_world_size(), os.path.join(folder, "full.pt"), device)
         print(f"rank {dist.get_rank()}: full_state_dict loads into one unsharded collection, bitwise")

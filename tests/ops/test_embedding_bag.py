@@ -46,7 +46,8 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
     assert_close(out, ref, dtype, reduction=MAX_LEN)
     if mode == MAX:
         # where values tie (low precision) ids may differ; the chosen row must hold the max
-        picked = torch.where(max_ids >= 0, weight.double()[max_ids.clamp(min=0), torch.arange(D, device=weight.device)], 0)
+        cols = torch.arange(D, device=weight.device)
+        picked = torch.where(max_ids >= 0, weight.double()[max_ids.clamp(min=0), cols], 0)
         assert_close(picked, ref, dtype)
         assert ((max_ids < 0) == (ref_ids < 0)).all()
         if dtype == torch.float32:
@@ -321,7 +322,8 @@ def test_opcheck(device, mode):
     ids, offsets = random_bags(5, 4, 20, device)
     psw = torch.rand(ids.numel(), device=device, requires_grad=True) if mode == SUM else None
     status = torch.zeros(2, dtype=torch.int32, device=device)  # a deferred check's, passed
-    torch.library.opcheck(torch.ops.embfuse.embedding_bag.default, (w, ids, offsets, psw, status, mode, 2, False, False))
+    torch.library.opcheck(torch.ops.embfuse.embedding_bag.default,
+                          (w, ids, offsets, psw, status, mode, 2, False, False))
     g = torch.randn(5, 8, device=device)
     max_ids = embedding_bag_reference(w, ids, offsets, psw, mode, 2)[1]
     torch.library.opcheck(torch.ops.embfuse.embedding_bag_backward.default,

@@ -16,8 +16,8 @@ def kjts(draw, weighted=None):
     values = torch.tensor(draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)), dtype=torch.int64)
     w = draw(st.booleans()) if weighted is None else weighted
     weights = torch.rand(n) if w else None
-    return KeyedJaggedTensor([f"f{i}" for i in range(F)], values, weights, lengths=torch.tensor(lengths, dtype=torch.int64),
-                             stride=B)
+    return KeyedJaggedTensor([f"f{i}" for i in range(F)], values, weights,
+                             lengths=torch.tensor(lengths, dtype=torch.int64), stride=B)
 
 
 def per_sample(kjt):
@@ -192,7 +192,8 @@ def test_torchrecs_constructors():
 
 
 def test_torchrecs_accessors_that_do_not_compute():
-    kjt = KeyedJaggedTensor(["a", "b", "a"], torch.arange(6), torch.rand(6), offsets=torch.tensor([0, 1, 3, 3, 4, 6, 6]))
+    kjt = KeyedJaggedTensor(["a", "b", "a"], torch.arange(6), torch.rand(6),
+                            offsets=torch.tensor([0, 1, 3, 3, 4, 6, 6]))
     assert kjt.lengths_or_none() is None  # made from offsets: lengths once asked for (TorchRec's)
     assert torch.equal(kjt.lengths(), torch.tensor([1, 2, 0, 1, 2, 0]))
     assert torch.equal(kjt.lengths_or_none(), torch.tensor([1, 2, 0, 1, 2, 0]))

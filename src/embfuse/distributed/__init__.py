@@ -8,5 +8,5 @@ from embfuse.distributed.planner import SHARDING_TYPES, Shard, ShardingPlan, pla
 from embfuse.distributed.sharded import ShardedEmbeddingBagCollection, shard
 from embfuse.distributed.pipeline import TrainPipeline
 
-__all__ = ["CommTimer", "InputDist", "OutputDist", "SHARDING_TYPES", "Shard", "ShardingPlan", "ShardedEmbeddingBagCollection",
-           "TrainPipeline", "plan_shards", "shard"]
+__all__ = ["CommTimer", "InputDist", "OutputDist", "SHARDING_TYPES", "Shard", "ShardingPlan",
+           "ShardedEmbeddingBagCollection", "TrainPipeline", "plan_shards", "shard"]

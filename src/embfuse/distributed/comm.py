@@ -2,8 +2,9 @@
 `broadcast`, `all_gather_object`): no home-made transport.
 
 `PooledAllToAll` carries pooled rows to the ranks whose samples they belong to (a request,
-waited on later), and carries their gradients back in the backward. `CommTimer` measures how long the collectives hold the
-step (CUDA events on the GPU, the host clock on the CPU, where gloo's waits block the host).
+waited on later), and carries their gradients back in the backward. `CommTimer` measures how
+long the collectives hold the step (CUDA events on the GPU, the host clock on the CPU, where
+gloo's waits block the host).
 """
 
 from __future__ import annotations

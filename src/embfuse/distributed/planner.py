@@ -171,4 +171,5 @@ def plan_shards(tables, world_size: int, plan: Optional[dict] = None, dtype=torc
         if load_bytes[worst] > memory_per_rank:
             raise ValueError(f"the plan puts {load_bytes[worst] / 2**30:.2f} GiB of tables on rank {worst}, over its "
                              f"{memory_per_rank / 2**30:.2f} GiB; shard the largest tables row_wise")
-    return ShardingPlan(world_size, {t.name: kinds[t.name][0] for t in tables}, {t.name: placed[t.name] for t in tables})
+    return ShardingPlan(world_size, {t.name: kinds[t.name][0] for t in tables},
+                        {t.name: placed[t.name] for t in tables})

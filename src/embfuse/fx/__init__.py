@@ -14,4 +14,5 @@ from embfuse.fx.capture import CapturedStep, capture
 from embfuse.fx.optimize import optimize, trace as trace_model
 from embfuse.fx.overlap import ShardedTracer, overlap_collectives, split_collectives, trace
 
-__all__ = ["CapturedStep", "capture", "optimize", "passes", "trace_model", "ShardedTracer", "overlap_collectives", "split_collectives", "trace"]
+__all__ = ["CapturedStep", "capture", "optimize", "passes", "trace_model", "ShardedTracer", "overlap_collectives",
+           "split_collectives", "trace"]

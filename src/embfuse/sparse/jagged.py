@@ -556,7 +556,8 @@ class KeyedJaggedTensor(_Jagged):
         parts = []
         for key, jt in zip(self._keys, self._per_key()):
             body = _samples(jt, "        ")
-            parts.append(f'    "{key}": ' + (f"{{\n{body}\n    }}" if jt.weights_or_none() is not None else body.strip()))
+            shown = f"{{\n{body}\n    }}" if jt.weights_or_none() is not None else body.strip()
+            parts.append(f'    "{key}": ' + shown)
         return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
 

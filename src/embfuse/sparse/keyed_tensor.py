@@ -18,7 +18,8 @@ class KeyedTensor(metaclass=Traceable):
     """Pooled outputs of several features side by side: values (B, sum of widths)."""
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1):
-        self._keys, self._length_per_key, self._values, self._key_dim = list(keys), list(length_per_key), values, key_dim
+        self._keys, self._length_per_key = list(keys), list(length_per_key)
+        self._values, self._key_dim = values, key_dim
 
     def keys(self) -> list[str]:
         return self._keys

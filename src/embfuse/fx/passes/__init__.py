@@ -9,5 +9,5 @@ from embfuse.fx.passes.horizontal import FusedChain, HorizontalFusion, fuse_hori
 from embfuse.fx.passes.lookups import LookupBatch, batch_lookups
 from embfuse.fx.views import RowView, TableView, restore_names
 
-__all__ = ["FusedChain", "HorizontalFusion", "LookupBatch", "RowView", "TableView", "batch_lookups", "combine_copies", "fuse_horizontal", "restore_names",
-           "overlap_collectives", "split_collectives"]
+__all__ = ["FusedChain", "HorizontalFusion", "LookupBatch", "RowView", "TableView", "batch_lookups", "combine_copies",
+           "fuse_horizontal", "restore_names", "overlap_collectives", "split_collectives"]

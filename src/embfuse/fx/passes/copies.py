@@ -1,5 +1,6 @@
 """Combine input copies: the `x.to(device)` / `x.cuda()` calls of one forward become one
-`copy_to_device` call (a single move too: from pinned memory the host need not wait for the GPU) (fx/staging.py: one pinned buffer, one non-blocking copy, device views).
+`copy_to_device` call (a single move too: from pinned memory the host need not wait for the
+GPU) (fx/staging.py: one pinned buffer, one non-blocking copy, device views).
 
 A move joins when its target is a device the pass can see: a constant ("cuda", torch.device) or
 `tensor.device`. Moves to the same device whose inputs all exist before the first of them

@@ -34,7 +34,8 @@ APPLY = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "silu
 
 def _is_split(node) -> bool:
     return isinstance(node, torch.fx.Node) and (
-        (node.op == "call_function" and node.target is torch.split) or (node.op == "call_method" and node.target == "split"))
+        (node.op == "call_function" and node.target is torch.split)
+        or (node.op == "call_method" and node.target == "split"))
 
 
 def _op(gm: torch.fx.GraphModule, node: torch.fx.Node, D: int):
@@ -86,8 +87,8 @@ def _blocks(roots: list[torch.fx.Node]):
         split = first.args[0]
         if not _is_split(split):
             return None
-        x, size = split.args[0], split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections",
-                                                                                           split.kwargs.get("split_size"))
+        size = split.kwargs.get("split_size_or_sections", split.kwargs.get("split_size"))
+        x, size = split.args[0], split.args[1] if len(split.args) > 1 else size
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         if dim not in (1, -1) or not isinstance(size, int):
             return None

@@ -49,7 +49,8 @@ def unbatchable(m: torch.nn.Module) -> str | None:
         options = [("mode", m.mode in ("sum", "mean"))] + options + [("include_last_offset", not m.include_last_offset)]
     for name, ok in options:
         if not ok:
-            return f"{name}={getattr(m, name)!r} is not batched" + (" (a collection pools sum or mean only)" if bag else "")
+            why = " (a collection pools sum or mean only)" if bag else ""
+            return f"{name}={getattr(m, name)!r} is not batched{why}"
     if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"a {m.weight.dtype} table is not batched"
     return None
