@@ -35,7 +35,7 @@ If the rows taken serve fewer than MIN_HIT_RATE of the lookups, residency turns 
 (uniform ids: nothing is hot, and the window would only take L2 away).
 
 In place: when the counted lookups crowd into one run of rows (ids numbered by frequency, as
-many vocabularies are, put the hottest rows first; a table smaller than the copy), the window
+many vocabularies are, put the hottest rows first; a small table that most lookups hit), the window
 can lie over the table itself, and there is nothing to copy or rewrite. `choose` also finds the
 run of rows, as many bytes as the copy, that serves the most counted lookups, and reads in place
 when that run serves at least IN_PLACE_SHARE of what the copy serves (held out, as the copy):
