@@ -409,7 +409,7 @@ class EmbeddingBagCollection(_Collection):
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
             [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh,
-            remap=resident and resident.remap, tail=kjt._padded)
+            remap=None if resident is None else resident.remap, tail=kjt._padded)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
                                              None if check is None else check.status, accumulation(self.weights))

@@ -525,12 +525,11 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
         status = None if check is None else check.status
         out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
                                    scale_grad_by_freq, sparse)
-    elif direct:  # (pool's own choice, made once: a small call's time is the host's; ids read in place too)
-        with window(resident):
-            out, _ = embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
-                                           with_max_ids=False, check=check, open_end=open_end)
-    else:  # (torch's offsets made canonical: open_end is None here)
-        with window(resident):
-            out, _ = pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
-                          check=check)
-    return out
+        return out
+    with window(resident):
+        if direct:  # (pool's own choice, made once: a small call's time is the host's; ids read in place too)
+            return embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, padding_idx,
+                                         with_max_ids=False, check=check, open_end=open_end)[0]
+        # (torch's offsets made canonical: open_end is None here)
+        return pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_max_ids=False,
+                    check=check)[0]

@@ -365,9 +365,9 @@ class Residency:
 
         row_bytes = [t.shape[1] * t.element_size() for t in tables]
         row_at = [t.data_ptr() - weights.data_ptr() for t in tables]
-        packed = weights.is_contiguous() and all(t.stride() == (t.shape[1], 1) for t in tables) and all(
-            a + (row_starts[i + 1] - row_starts[i]) * b <= c for i, (a, b, c) in enumerate(zip(row_at, row_bytes,
-                                                                                               row_at[1:])))
+        ends = [at + (row_starts[t + 1] - row_starts[t]) * b for t, (at, b) in enumerate(zip(row_at, row_bytes))]
+        packed = (weights.is_contiguous() and all(t.stride() == (t.shape[1], 1) for t in tables)
+                  and all(end <= at for end, at in zip(ends, row_at[1:])))  # tables in order, none overlapping
         hs = choose(global_rows, row_starts, row_bytes, budget, row_at if packed else None)
         self.hot_set, self._hot, self._info, self._copied, self._dtype = hs, None, {}, None, weights.dtype
         if hs.in_place is not None:
