@@ -4,6 +4,7 @@ loaded into one collection, TrainPipeline against the plain loop, and the overla
 stages, and functional collectives under torch.compile) against the eager model, on this launch's ranks
 (NCCL and CUDA tables when there is a GPU, gloo and CPU tables otherwise)."""
 
+import gc
 import os
 import tempfile
 
@@ -36,4 +37,5 @@ if __name__ == "__main__":
         _compiled(dist.get_rank(), dist.get_world_size(), "functional", device)
         print(f"rank {dist.get_rank()}: the functional overlap trains under torch.compile as the eager model")
     finally:
+        gc.collect()  # torch.compile's cycles, collected before exit (tests/distributed/worlds.py says why)
         dist.destroy_process_group()
