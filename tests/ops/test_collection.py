@@ -5,8 +5,8 @@ import torch
 
 from embfuse.ops import tuning
 from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference
-from embfuse.ops.collection import (Plan, collection_backward,
-                                    collection_backward_reference, collection_forward, collection_reference)
+from embfuse.ops.collection import (Plan, collection_backward, collection_backward_reference, collection_forward,
+                                    collection_native, collection_native_backward, collection_reference)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from embfuse.optim.fused import collection_update
 from embfuse.optim.rules import init_state
@@ -90,6 +90,44 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
     wide[:, 1:1 + P.total_dim] = grad
     assert torch.equal(got, collection_backward(wide[:, 1:1 + P.total_dim], values, offsets, psw, P.meta, P.src_meta,
                                                 L, B, P.num_elements, P.scaled, P.weight_sums))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", [None, "sum"], ids=["mixed", "all-sum"])
+def test_the_cpus_one_width_paths_match_float64(dtype, weighted, pooling):
+    """The CPU's own forward (torch's embedding_bag over the flat buffer) and backward (gradient
+    rows into buffer rows) of a collection whose features share one width, every pooling, with
+    ids a safe lookup dropped (SKIPPED, -1): the element-wise references'."""
+    tables = [(11, 8), (7, 8), (5, 8), (9, 8)]
+    P = Plan(tables, [(t, pooling or p, 8 * f) for f, (t, p) in enumerate(FEATURES)], "cpu")
+    B = 7
+    values, offsets, psw = batch(B, "cpu", weighted)
+    rows = torch.tensor([tables[t][0] for t, _ in FEATURES]).repeat_interleave(B)
+    values = (torch.rand(values.numel()) * rows.repeat_interleave(offsets.diff())).long()
+    if weighted:  # (ops/safe.py leaves a dropped entry as SKIPPED, always with weight 0)
+        values[::5], psw[::5] = -1, 0
+    psw64, psw = (None, None) if psw is None else (psw.double(), psw.to(dtype))
+    weights = torch.randn(P.num_elements, dtype=torch.float64)
+    got = collection_native(weights.to(dtype), values, offsets, psw, P.meta, B, P.total_dim, P.max_dim)
+    want = collection_reference(weights, values, offsets, psw64, P.meta, B, P.total_dim, P.max_dim)
+    assert_close(got, want, dtype, reduction=4)
+    grad = torch.randn(B, P.total_dim, dtype=torch.float64)
+    got = collection_native_backward(grad.to(dtype), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim,
+                                     P.scaled)  # (unweighted sums: no scale at all)
+    want = collection_backward_reference(grad, values, offsets, psw64, P.meta, B, P.num_elements, P.max_dim)
+    assert_close(got, want, dtype, reduction=len(values))
+    # the fused update: the rule on the touched rows of that gradient (row and element state)
+    touched = want.view(-1, 8).abs().sum(1) > 0
+    for opt in (RowWiseAdagrad(lr=0.1, weight_decay=0.01), Adam(lr=0.05)):
+        w, state = weights.to(dtype, copy=True), init_state(opt, P.num_rows, 0, "cpu", P.num_elements)
+        collection_update(w, state, opt, values, offsets, psw, P, B, grad.to(dtype), 1, kernel=False)
+        rows = {k: v.double().view(P.num_rows, -1)[touched].squeeze(1) for k, v in init_state(
+            opt, P.num_rows, 0, "cpu", P.num_elements).items()}
+        new, _ = opt.update(weights.view(-1, 8)[touched], want.view(-1, 8)[touched], rows, 1)
+        expected = weights.view(-1, 8).clone()
+        expected[touched] = new
+        assert_close(w, expected.view(-1), dtype, reduction=8)
 
 
 @requires_kernels

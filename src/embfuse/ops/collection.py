@@ -212,6 +212,23 @@ def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layo
                            src_meta=src_meta)
 
 
+def collection_native_backward(grad, values, offsets, psw, meta, B, num_elements, max_dim, scaled=True):
+    """collection_native's backward (features of one width D): the gradient row of each value a
+    bag pools, scaled, added into its global row of the flat buffer seen as one (rows, D) table
+    (rows, not the reference's elements)."""
+    D, acc = max_dim, accumulation(grad)
+    keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=scaled)
+    at = (keys >= 0).nonzero()[:, 0]  # (a host read: this path runs on the CPU only)
+    bag = bag[at]
+    feature = bag // max(B, 1)
+    rows = grad.reshape(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D].to(acc)
+    if scale is not None:
+        rows *= scale[at][:, None]
+    out = torch.zeros(num_elements // max(D, 1), D, dtype=acc, device=grad.device)
+    out.index_add_(0, meta[:, ROW_START][feature] + values[at].long(), rows)
+    return out.view(-1).to(grad.dtype)
+
+
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):
     """Pure torch: every value's scaled gradient row added into its table row."""
     acc = accumulation(grad)
@@ -288,6 +305,9 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         grad = grad * (status[0] == 0)
+    if grad.device.type == "cpu" and max_dim > 0 and one_width(meta, grad.shape[1], max_dim):
+        return collection_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim,
+                                          scaled)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 

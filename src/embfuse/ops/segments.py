@@ -48,24 +48,30 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
-    ids_k = torch.where(keep, ids, 0).long()
-    rows = torch.where(keep[:, None], rows, 0)  # (not a product: 0 * NaN is NaN)
-    grad = torch.zeros(num_rows, src.shape[1], dtype=acc_dtype, device=src.device).index_add_(0, ids_k, rows)
+    # positions that name no row add into one row past the table, dropped after (not a product
+    # with the mask: 0 * NaN is NaN; no host read, as a compaction would need)
+    ids_k = torch.where(keep, ids, num_rows).long()
+    grad = torch.zeros(num_rows + 1, src.shape[1], dtype=acc_dtype, device=src.device).index_add_(0, ids_k, rows)
+    grad = grad[:num_rows]
     if scale_by_freq:
-        counts = torch.zeros(num_rows, dtype=acc_dtype, device=src.device).index_add_(
-            0, ids_k, keep.to(acc_dtype)
-        )
-        grad = grad / counts.clamp(min=1)[:, None]
+        counts = torch.zeros(num_rows + 1, dtype=acc_dtype, device=src.device).index_add_(0, ids_k, keep.to(acc_dtype))
+        grad = grad / counts[:num_rows].clamp(min=1)[:, None]
     return grad.to(out_dtype)
 
 
 def row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype):
     """Pure torch: (the distinct rows named, ascending; their summed gradient rows in
     `acc_dtype`; each named position's index among them)."""
-    rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
-    touched, inverse = torch.unique(ids[keep].long(), return_inverse=True)
+    keep = ids >= 0
+    if padding_idx >= 0:
+        keep = keep & (ids != padding_idx)
+    at = keep.nonzero()[:, 0]  # (only the named positions' rows are gathered and scaled)
+    touched, inverse = torch.unique(ids[at].long(), return_inverse=True)
+    rows = src[at if src_row is None else src_row[at]].to(acc_dtype)
+    if scale is not None:
+        rows = rows * scale[at].to(acc_dtype)[:, None]
     sums = torch.zeros(touched.numel(), src.shape[1], dtype=acc_dtype, device=src.device)
-    return touched, sums.index_add_(0, inverse, rows[keep]), inverse
+    return touched, sums.index_add_(0, inverse, rows), inverse
 
 
 class Layout:

@@ -206,12 +206,14 @@ def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     D, meta = plan.max_dim, plan.meta
     keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=plan.scaled)
     feature = bag // max(B, 1)
-    # one width: the pooled gradient is (B, F, D), feature f's block at column OUT_COL[f] = its slot * D
-    rows = grad.to(acc).view(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D]
+    # one width: the pooled gradient is B x F rows of D, feature f's at column OUT_COL[f] = its slot * D
+    slots = grad.shape[1] // max(D, 1)
+    src_row = (bag % max(B, 1)) * slots + meta[:, OUT_COL][feature] // D
     per = optimizer.state_spec()
     views = {k: v.view(-1, D) if per[k][0] == "element" else v for k, v in state.items()}
     ids = torch.where(keys >= 0, meta[:, ROW_START][feature] + values.long(), -1)  # (-1: no row, as SKIPPED)
-    apply_sparse_update_reference(weights.view(-1, D), views, optimizer, ids, rows, None, scale, step)
+    apply_sparse_update_reference(weights.view(-1, D), views, optimizer, ids, grad.reshape(-1, D), src_row, scale,
+                                  step)
 
 
 def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, kernel=None,
