@@ -249,6 +249,17 @@ def test_every_tensor_argument_is_on_the_weights_device():
     assert torch.equal(rows, torch.zeros(1, 4)) and not torch.signbit(rows).any()
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_unchecked_offsets_never_take_the_cpu_past_the_ids(mode):
+    """bounds_check="off" on the CPU: offsets past the ids, negative or decreasing pool the ids
+    that exist (torch's CPU kernel, given them, reads past the end of the ids)."""
+    w, ids = torch.randn(10, 4, dtype=torch.float64), torch.tensor([1, 2, 3, 4, 5])
+    for offsets, cut in (([0, 2, 9], [0, 2, 5]), ([0, -2, 3], [0, 0, 3]), ([0, 4, 1], [0, 4, 4])):
+        got = embfuse.embedding_bag(ids, w, torch.tensor(offsets), mode=mode, bounds_check="off")
+        want = torch.nn.functional.embedding_bag(ids, w, torch.tensor(cut), mode=mode)
+        assert torch.equal(got, want), offsets
+
+
 def test_skip_warnings_point_at_the_callers_line():
     """A skip-mode warning names the line that called embfuse, also through a module's forward
     (issue 17 item 10), not a line inside embfuse or torch."""

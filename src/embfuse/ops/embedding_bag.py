@@ -254,8 +254,11 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     """pool's CPU path for sum and mean over fp32 and fp64 tables (summed in the table's own
     dtype, as embfuse sums): torch's own CPU kernel, which gathers and sums in one pass where
     the reference materialises every gathered row (15-85x torch's time, benchmarks/NOTES.md)."""
-    out = torch._embedding_bag_forward_only(weight, indices, offsets.to(indices.dtype), False, _TORCH_MODES[mode],
-                                            False, per_sample_weights, True, padding_idx)[0]
+    # offsets held inside [0, n] and non-decreasing: torch's kernel reads ids up to the last one
+    # it is given, and bounds_check="off" has checked none (a valid batch is unchanged)
+    offsets = offsets.clamp(0, indices.numel()).cummax(0).values.to(indices.dtype)
+    out = torch._embedding_bag_forward_only(weight, indices, offsets, False, _TORCH_MODES[mode], False,
+                                            per_sample_weights, True, padding_idx)[0]
     return out, indices.new_empty(0, dtype=torch.int64)
 
 
