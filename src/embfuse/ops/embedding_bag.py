@@ -245,21 +245,25 @@ def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_m
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
-# torch's ATen mode numbers for the modes whose CPU pooling is embfuse's rule as well (its max
-# would give empty bags max id 0 where embfuse's backward wants -1)
-_TORCH_MODES = {SUM: 0, MEAN: 1}
+# torch's ATen mode numbers for the modes whose CPU pooling is embfuse's rule as well
+_TORCH_MODES = {SUM: 0, MEAN: 1, MAX: 2}
 
 
 def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx):
-    """pool's CPU path for sum and mean over fp32 and fp64 tables (summed in the table's own
-    dtype, as embfuse sums): torch's own CPU kernel, which gathers and sums in one pass where
-    the reference materialises every gathered row (15-85x torch's time, benchmarks/NOTES.md)."""
+    """pool's CPU path over fp32 and fp64 tables (summed in the table's own dtype, as embfuse
+    sums): torch's own CPU kernel, which gathers and pools in one pass where the reference
+    materialises every gathered row (benchmarks/NOTES.md, session 29). Its max is
+    `_max_reference`'s rule (NaN, inf, ties, padding), but an empty bag's max id is 0 there and
+    -1 here."""
     # offsets held inside [0, n] and non-decreasing: torch's kernel reads ids up to the last one
     # it is given, and bounds_check="off" has checked none (a valid batch is unchanged)
     offsets = offsets.clamp(0, indices.numel()).cummax(0).values.to(indices.dtype)
-    out = torch._embedding_bag_forward_only(weight, indices, offsets, False, _TORCH_MODES[mode], False,
-                                            per_sample_weights, True, padding_idx)[0]
-    return out, indices.new_empty(0, dtype=torch.int64)
+    out, _, size, max_ids = torch._embedding_bag_forward_only(weight, indices, offsets, False, _TORCH_MODES[mode],
+                                                              False, per_sample_weights, True, padding_idx)
+    if mode != MAX:
+        return out, indices.new_empty(0, dtype=torch.int64)
+    # (bag sizes: B of them, but B + 1 from torch's meta kernel, which a traced call runs)
+    return out, torch.where(size[:out.shape[0], None] == 0, -1, max_ids.long())
 
 
 @kernel_op("embfuse::embedding_bag", mutates_args=())
