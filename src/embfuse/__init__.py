@@ -1,7 +1,8 @@
 """embfuse: fast embedding lookups for PyTorch recommendation models.
 
 Importing embfuse needs neither a GPU nor Triton: CUDA tensors run Triton kernels when Triton
-is there, everything else runs the pure-torch references.
+is there, everything else runs torch ops (torch's own CPU pooling where its rule is embfuse's,
+else the pure-torch references).
 """
 
 from embfuse.ops import BadBatchError, BadIdError, check_errors, embedding, embedding_bag
