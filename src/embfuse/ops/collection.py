@@ -25,7 +25,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
-from embfuse.ops.segments import Layout, reduce_segments, table_starts
+from embfuse.ops.segments import Layout, reduce_segments, segment_grad_reference, table_starts
 from embfuse.ops import tuning
 
 
@@ -212,21 +212,25 @@ def collection_backward(grad, values, offsets, psw, meta, src_meta, layout: Layo
                            src_meta=src_meta)
 
 
-def collection_native_backward(grad, values, offsets, psw, meta, B, num_elements, max_dim, scaled=True):
-    """collection_native's backward (features of one width D): the gradient row of each value a
-    bag pools, scaled, added into its global row of the flat buffer seen as one (rows, D) table
-    (rows, not the reference's elements)."""
-    D, acc = max_dim, accumulation(grad)
-    keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=scaled)
-    at = (keys >= 0).nonzero()[:, 0]  # (a host read: this path runs on the CPU only)
-    bag = bag[at]
+def one_width_rows(values, keys, bag, meta, B, D, slots):
+    """For a collection whose features share one width D, each value's global row in the flat
+    buffer seen as one (rows, D) table (-1 where no bag pools it: `keys` < 0), and its row of the
+    pooled output seen as B * `slots` rows of D (feature f's block at column OUT_COL[f])."""
     feature = bag // max(B, 1)
-    rows = grad.reshape(grad.shape[0], -1, D)[bag % max(B, 1), meta[:, OUT_COL][feature] // D].to(acc)
-    if scale is not None:
-        rows *= scale[at][:, None]
-    out = torch.zeros(num_elements // max(D, 1), D, dtype=acc, device=grad.device)
-    out.index_add_(0, meta[:, ROW_START][feature] + values[at].long(), rows)
-    return out.view(-1).to(grad.dtype)
+    ids = torch.where(keys >= 0, meta[:, ROW_START][feature] + values.long(), -1)
+    return ids, (bag % max(B, 1)) * slots + meta[:, OUT_COL][feature] // D
+
+
+def collection_native_backward(grad, values, offsets, psw, meta, B, num_elements, max_dim, scaled=True):
+    """collection_native's backward (features of one width D): one table's dense reduction over
+    the flat buffer seen as (rows, D), each value's gradient row scaled into its global row (rows,
+    not the reference's elements)."""
+    D = max_dim
+    keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=accumulation(grad),
+                                                 scaled=scaled)
+    ids, src_row = one_width_rows(values, keys, bag, meta, B, D, grad.shape[1] // D)
+    return segment_grad_reference(ids, grad.reshape(-1, D), src_row, scale, num_elements // D, -1, False,
+                                  grad.dtype).reshape(-1)
 
 
 def collection_backward_reference(grad, values, offsets, psw, meta, B, num_elements, max_dim):

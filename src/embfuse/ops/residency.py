@@ -383,7 +383,8 @@ class Residency:
 
 
 def window(resident: Optional[Resident]):
-    """The persisting window over `resident`'s copy on the current stream (a no-op for None)."""
+    """The persisting window over `resident`'s rows (its copy, or the run read in place) on the
+    current stream (a no-op for None)."""
     if resident is None or not resident.window:
         return contextlib.nullcontext()
     from embfuse.ops import l2

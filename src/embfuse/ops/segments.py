@@ -30,18 +30,20 @@ from embfuse._triton import HAS_TRITON, cdiv, interpreting, launch, next_pow2, t
 from embfuse.ops import tuning
 
 
+def _named(ids, padding_idx):
+    """The mask of positions that name a row (not -1, not padding)."""
+    return ids >= 0 if padding_idx < 0 else (ids >= 0) & (ids != padding_idx)
+
+
 def _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype):
-    """Each position's scaled gradient row in `acc_dtype`, and the mask of positions that name a
-    row (not -1, not padding): what every pure-torch reduction starts from."""
+    """Each position's scaled gradient row in `acc_dtype`, and `_named`'s mask: what the dense
+    pure-torch reduction starts from."""
     rows = src.to(acc_dtype)
     if src_row is not None:
         rows = rows[src_row]
     if scale is not None:
         rows = rows * scale.to(acc_dtype)[:, None]
-    keep = ids >= 0
-    if padding_idx >= 0:
-        keep = keep & (ids != padding_idx)
-    return rows, keep
+    return rows, _named(ids, padding_idx)
 
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
@@ -62,10 +64,7 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 def row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype):
     """Pure torch: (the distinct rows named, ascending; their summed gradient rows in
     `acc_dtype`; each named position's index among them)."""
-    keep = ids >= 0
-    if padding_idx >= 0:
-        keep = keep & (ids != padding_idx)
-    at = keep.nonzero()[:, 0]  # (only the named positions' rows are gathered and scaled)
+    at = _named(ids, padding_idx).nonzero()[:, 0]  # (only the named positions' rows are gathered and scaled)
     touched, inverse = torch.unique(ids[at].long(), return_inverse=True)
     rows = src[at if src_row is None else src_row[at]].to(acc_dtype)
     if scale is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import tl, triton, use_kernels
-from embfuse.ops.bags import DIM, OUT_COL, ROW_START, accumulation, backward_inputs, backward_inputs_reference
-from embfuse.ops.collection import one_width, table_view
+from embfuse.ops.bags import DIM, OUT_COL, accumulation, backward_inputs, backward_inputs_reference
+from embfuse.ops.collection import one_width, one_width_rows, table_view
 from embfuse.ops.deferred import known_good
 from embfuse.ops.validate import check_fused_table
 from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
@@ -205,13 +205,9 @@ def _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, 
     of all touched rows (not a pass a table)."""
     D, meta = plan.max_dim, plan.meta
     keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=plan.scaled)
-    feature = bag // max(B, 1)
-    # one width: the pooled gradient is B x F rows of D, feature f's at column OUT_COL[f] = its slot * D
-    slots = grad.shape[1] // max(D, 1)
-    src_row = (bag % max(B, 1)) * slots + meta[:, OUT_COL][feature] // D
+    ids, src_row = one_width_rows(values, keys, bag, meta, B, D, grad.shape[1] // max(D, 1))
     per = optimizer.state_spec()
     views = {k: v.view(-1, D) if per[k][0] == "element" else v for k, v in state.items()}
-    ids = torch.where(keys >= 0, meta[:, ROW_START][feature] + values.long(), -1)  # (-1: no row, as SKIPPED)
     apply_sparse_update_reference(weights.view(-1, D), views, optimizer, ids, grad.reshape(-1, D), src_row, scale,
                                   step)
 
