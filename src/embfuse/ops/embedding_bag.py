@@ -258,12 +258,13 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     # offsets held inside [0, n] and non-decreasing: torch's kernel reads ids up to the last one
     # it is given, and bounds_check="off" has checked none (a valid batch is unchanged)
     offsets = offsets.clamp(0, indices.numel()).cummax(0).values.to(indices.dtype)
-    out, _, size, max_ids = torch._embedding_bag_forward_only(weight, indices, offsets, False, _TORCH_MODES[mode],
-                                                              False, per_sample_weights, True, padding_idx)
+    # (_embedding_bag, not _embedding_bag_forward_only: the latter's meta kernel gives B + 1 bag
+    # sizes where its CPU kernel gives B, and inductor's output check fails on that under compile)
+    out, _, size, max_ids = torch._embedding_bag(weight, indices, offsets, False, _TORCH_MODES[mode], False,
+                                                 per_sample_weights, True, padding_idx)
     if mode != MAX:
         return out, indices.new_empty(0, dtype=torch.int64)
-    # (bag sizes: B of them, but B + 1 from torch's meta kernel, which a traced call runs)
-    return out, torch.where(size[:out.shape[0], None] == 0, -1, max_ids.long())
+    return out, torch.where(size[:, None] == 0, -1, max_ids.long())
 
 
 @kernel_op("embfuse::embedding_bag", mutates_args=())
