@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embfuse.ops import tuning
-from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference
+from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference, bag_of_value
 from embfuse.ops.collection import (Plan, collection_backward, collection_backward_reference, collection_forward,
                                     collection_native, collection_native_backward, collection_reference)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -128,6 +128,19 @@ def test_the_cpus_one_width_paths_match_float64(dtype, weighted, pooling):
         expected = weights.view(-1, 8).clone()
         expected[touched] = new
         assert_close(w, expected.view(-1), dtype, reduction=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_cpus_count_of_a_values_bag_is_searchsorteds(dtype):
+    """bag_of_value on the CPU (a count of the offsets and a prefix sum) gives searchsorted's bag
+    (the GPU's form): empty bags, values before the first offset and past the last, offsets
+    below 0 and past the values."""
+    torch.manual_seed(0)
+    for _ in range(300):
+        FB, n = int(torch.randint(0, 12, ())), int(torch.randint(0, 30, ()))
+        offsets = torch.randint(-3, 34, (FB + 1,)).sort().values.to(dtype)
+        want = torch.searchsorted(offsets, torch.arange(n, dtype=dtype), right=True) - 1
+        assert torch.equal(bag_of_value(offsets, n), want), (offsets, n)
 
 
 @requires_kernels

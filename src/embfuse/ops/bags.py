@@ -69,9 +69,16 @@ def accumulation(t: Tensor) -> torch.dtype:
 # ---- references (pure torch: the CPU path and the test oracle) ----
 
 def bag_of_value(offsets: Tensor, n: int) -> Tensor:
-    """Bag g of each of n values (int64); FB for values after the last bag. No host read."""
-    pos = torch.arange(n, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, pos, right=True) - 1
+    """Bag g of each of n values (int64): how many offsets lie at or before its position, less one
+    (-1 before the first bag, FB after the last), which is searchsorted's answer for sorted
+    offsets. No host read. The CPU counts the offsets and takes a prefix sum, O(n + FB), where
+    searchsorted is O(n log FB); a GPU keeps searchsorted, three launches where the count takes
+    six or seven, and small batches there are the host's time (benchmarks/NOTES.md, session 30)."""
+    if offsets.device.type != "cpu":
+        return torch.searchsorted(offsets, torch.arange(n, device=offsets.device, dtype=offsets.dtype), right=True) - 1
+    starts = torch.zeros(n + 1, dtype=torch.int64)
+    starts.index_add_(0, offsets.clamp(0, n).long(), torch.ones(offsets.shape, dtype=torch.int64))
+    return starts[:n].cumsum(0) - 1
 
 
 def pooled_values(values: Tensor, offsets: Tensor, padding_idx: int = -1) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, trit
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
                               accumulation,
-                              backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
+                              backward_inputs, backward_inputs_reference, bag_norms_reference, bag_of_value, divide,
                               divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
@@ -252,12 +252,17 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     (rows, D) table, global rows (a table's first row + id), and torch's native embedding_bag
     over all F * B bags at once (sum; each bag then divided by its norm, bags.py)."""
     D, F = max_dim, meta.shape[0]
-    _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
+    norm = None
+    if any(p in SCALED for p in meta[:, POOL].tolist()):  # (else every norm is 1: no division)
+        _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
+    else:
+        bag = bag_of_value(offsets, values.numel()).clamp(0, max(F * B - 1, 0))
     rows = meta[:, ROW_START][bag // max(B, 1)] + values.long().clamp(min=0)  # (SKIPPED ids weigh 0)
     table = weights.view(-1, D)
     pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
                                                per_sample_weights=None if psw is None else psw.to(table.dtype))
-    pooled = divide_reference(pooled, norm)
+    if norm is not None:
+        pooled = divide_reference(pooled, norm)
     out = weights.new_empty(B, F, D)
     out[:, meta[:, OUT_COL] // D] = pooled.view(F, B, D).transpose(0, 1)
     return out.view(B, total_dim)
