@@ -45,6 +45,21 @@ def test_kernel_update_matches_float64_reference(opt, dtype, D):
     assert torch.equal(w[3], base.to(dtype)[3])  # padding row untouched
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=requires_kernels)], ids=["reference", "kernel"])
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.05)],
+                         ids=["sgd", "adagrad", "rowwise", "adam"])
+def test_no_weight_decay_adds_no_term(kernel, opt):
+    """Without weight decay a rule adds no 0 * w to the gradient (torch.optim's rule, the
+    kernels' WD): an inf weight stays inf where a 0 * inf term would make its row NaN."""
+    device = KERNEL_DEVICE if kernel else "cpu"
+    w = torch.randn(5, 4, device=device)
+    w[2, 0] = float("inf")
+    state = init_state(opt, 5, 4, device)
+    ids = torch.tensor([2, 0, 2], device=device)
+    apply_sparse_update(w, state, opt, ids, torch.randn(3, 4, device=device), None, None, 1, kernel=kernel)
+    assert w[2, 0] == float("inf") and torch.isfinite(w[2, 1:]).all() and torch.isfinite(w[0]).all()
+
+
 @requires_kernels
 def test_kernel_update_is_bitwise_deterministic():
     N, D, n = 2, 64, 1200  # runs of ~600 positions: two pieces each

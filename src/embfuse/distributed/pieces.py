@@ -42,7 +42,8 @@ class PieceUpdate:
                 n, d = self.pieces._shapes[i]
                 w = weights.data[starts[i]:starts[i + 1]].view(n, d)
                 g = grad[starts[i]:starts[i + 1]].view(n, d)[rows].float()
-                g = g + hyper.weight_decay * w[rows].float()
+                if hyper.weight_decay:  # (as the rules' decayed)
+                    g = g + hyper.weight_decay * w[rows].float()
                 squares = (g * g).sum(1)
                 dist.all_reduce(squares, group=group)
                 state = self.state[rows_at[i]:rows_at[i + 1]]

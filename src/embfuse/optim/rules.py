@@ -75,6 +75,11 @@ class _Rule:
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"{rule}: stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
 
+    def decayed(self, g, w):
+        """g with L2 weight decay added, only when there is some (torch.optim's rule, and the
+        kernels' WD: no 0 * w term, which is NaN on an inf weight and a pass over the rows)."""
+        return g + self.weight_decay * w if self.weight_decay else g
+
     @property
     def element_states(self) -> int:
         """How many element-wise state tensors the rule keeps (Adagrad 1, Adam 2)."""
@@ -113,7 +118,7 @@ class SGD(_Rule):
         return Hyper(lr=self.lr, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
-        return w - self.lr * (g + self.weight_decay * w), state
+        return w - self.lr * self.decayed(g, w), state
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class Adagrad(_Rule):
 
     def update(self, w, g, state, step):
         lr = self.hyper(step).lr
-        g = g + self.weight_decay * w
+        g = self.decayed(g, w)
         s = state["sum"] + g * g
         return w - lr * g / (s.sqrt() + self.eps), {"sum": s}
 
@@ -155,7 +160,7 @@ class RowWiseAdagrad(_Rule):
         return Hyper(lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
-        g = g + self.weight_decay * w
+        g = self.decayed(g, w)
         s = state["sum"] + (g * g).mean(dim=1)
         return w - self.lr * g / (s.sqrt() + self.eps)[:, None], {"sum": s}
 
@@ -181,8 +186,8 @@ class Adam(_Rule):
                      bc2_sqrt=math.sqrt(1 - b2**step))
 
     def update(self, w, g, state, step):
-        lr_t, eps, wd, b1, b2, bc2_sqrt = self.hyper(step)
-        g = g + wd * w
+        lr_t, eps, _, b1, b2, bc2_sqrt = self.hyper(step)
+        g = self.decayed(g, w)
         m = state["exp_avg"].lerp(g, 1 - b1)
         v = state["exp_avg_sq"] * b2 + (1 - b2) * g * g
         return w - lr_t * m / (v.sqrt() / bc2_sqrt + eps), {"exp_avg": m, "exp_avg_sq": v}
