@@ -25,6 +25,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from embfuse._triton import HAS_TRITON, cdiv, interpreting, launch, next_pow2, tl, tracing, triton
 from embfuse.ops import tuning
@@ -63,14 +64,17 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 
 def row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype):
     """Pure torch: (the distinct rows named, ascending; their summed gradient rows in
-    `acc_dtype`; each named position's index among them)."""
-    at = _named(ids, padding_idx).nonzero()[:, 0]  # (only the named positions' rows are gathered and scaled)
-    touched, inverse = torch.unique(ids[at].long(), return_inverse=True)
-    rows = src[at if src_row is None else src_row[at]].to(acc_dtype)
-    if scale is not None:
-        rows = rows * scale[at].to(acc_dtype)[:, None]
-    sums = torch.zeros(touched.numel(), src.shape[1], dtype=acc_dtype, device=src.device)
-    return touched, sums.index_add_(0, inverse, rows), inverse
+    `acc_dtype`; each named position's index among them). Each distinct row's sum is a bag of
+    torch's embedding_bag over `src`: its positions in input order, weighted by `scale`, so no
+    position's scaled row is materialised first (benchmarks/NOTES.md, session 30)."""
+    at = _named(ids, padding_idx).nonzero()[:, 0]
+    touched, inverse, counts = torch.unique(ids[at].long(), return_inverse=True, return_counts=True)
+    order = torch.argsort(inverse, stable=True)
+    sources = (at if src_row is None else src_row[at])[order]
+    weights = None if scale is None else scale[at][order].to(acc_dtype)
+    sums = F.embedding_bag(sources, src.to(acc_dtype), counts.cumsum(0) - counts, mode="sum",
+                           per_sample_weights=weights)
+    return touched, sums, inverse
 
 
 class Layout:
