@@ -132,14 +132,15 @@ def bag_norms_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=tor
 def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=torch.float32, scaled=True):
     """Per value: (sort key of its row: KEY_START + id, or -1 when no bag pools it; its bag;
     its scale w / norm in `dtype`, or None when every scale is 1: no weights and not `scaled`)."""
-    keep, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, padding_idx, dtype)
-    f = bag // max(B, 1)
-    keys = torch.where(keep, meta[:, KEY_START][f] + values.long(), -1)
     scale = None
     if psw is not None or scaled:
+        keep, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, padding_idx, dtype)
         scale = torch.where(norm[bag] != 0, 1.0 / norm[bag], 0)
         if psw is not None:
             scale = psw.to(dtype) * scale
+    else:  # (every scale is 1: no norms)
+        keep, bag = pooled_values(values, offsets, padding_idx)
+    keys = torch.where(keep, meta[:, KEY_START][bag // max(B, 1)] + values.long(), -1)
     return keys, bag, scale
 
 
