@@ -64,17 +64,17 @@ def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
 
 def row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype):
     """Pure torch: (the distinct rows named, ascending; their summed gradient rows in
-    `acc_dtype`; each named position's index among them). Each distinct row's sum is a bag of
-    torch's embedding_bag over `src`: its positions in input order, weighted by `scale`, so no
-    position's scaled row is materialised first (benchmarks/NOTES.md, session 30)."""
+    `acc_dtype`; how many positions name each). Each distinct row's sum is a bag of torch's
+    embedding_bag over `src`: its positions in input order (one stable sort), weighted by
+    `scale`, so no position's scaled row is materialised first (benchmarks/NOTES.md, session 30)."""
     at = _named(ids, padding_idx).nonzero()[:, 0]
-    touched, inverse, counts = torch.unique(ids[at].long(), return_inverse=True, return_counts=True)
-    order = torch.argsort(inverse, stable=True)
-    sources = (at if src_row is None else src_row[at])[order]
-    weights = None if scale is None else scale[at][order].to(acc_dtype)
-    sums = F.embedding_bag(sources, src.to(acc_dtype), counts.cumsum(0) - counts, mode="sum",
-                           per_sample_weights=weights)
-    return touched, sums, inverse
+    named, order = torch.sort(ids[at].long(), stable=True)
+    touched, counts = torch.unique_consecutive(named, return_counts=True)
+    at = at[order]
+    weights = None if scale is None else scale[at].to(acc_dtype)
+    sums = F.embedding_bag(at if src_row is None else src_row[at], src.to(acc_dtype), counts.cumsum(0) - counts,
+                           mode="sum", per_sample_weights=weights)
+    return touched, sums, counts
 
 
 class Layout:
@@ -466,9 +466,9 @@ def rowwise_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     gradient rows), the sums `segment_grad_reference` would write at those rows. Arguments as
     `segment_grad_reference`'s."""
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
-    touched, values, inverse = row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype)
+    touched, values, counts = row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype)
     if scale_by_freq:
-        values = values / torch.bincount(inverse, minlength=touched.numel()).clamp(min=1)[:, None].to(acc_dtype)
+        values = values / counts[:, None].to(acc_dtype)
     return touched, values.to(out_dtype)
 
 
