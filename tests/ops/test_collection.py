@@ -98,17 +98,21 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
 def test_the_cpus_one_width_paths_match_float64(dtype, weighted, pooling):
     """The CPU's own forward (torch's embedding_bag over the flat buffer) and backward (gradient
     rows into buffer rows) of a collection whose features share one width, every pooling, with
-    ids a safe lookup dropped (SKIPPED, -1): the element-wise references'."""
+    ids a safe lookup dropped (SKIPPED, -1; each table's row 0, which no kept id names, holding
+    inf, which a dropped id must not read): the element-wise references'."""
     tables = [(11, 8), (7, 8), (5, 8), (9, 8)]
     P = Plan(tables, [(t, pooling or p, 8 * f) for f, (t, p) in enumerate(FEATURES)], "cpu")
     B = 7
     values, offsets, psw = batch(B, "cpu", weighted)
     rows = torch.tensor([tables[t][0] for t, _ in FEATURES]).repeat_interleave(B)
     values = (torch.rand(values.numel()) * rows.repeat_interleave(offsets.diff())).long()
-    if weighted:  # (ops/safe.py leaves a dropped entry as SKIPPED, always with weight 0)
-        values[::5], psw[::5] = -1, 0
-    psw64, psw = (None, None) if psw is None else (psw.double(), psw.to(dtype))
     weights = torch.randn(P.num_elements, dtype=torch.float64)
+    if weighted:  # (ops/safe.py leaves a dropped entry as SKIPPED, always with weight 0)
+        values = values.clamp(min=1)
+        values[::5], psw[::5] = -1, 0
+        for _, _, elem, _ in P.tables:
+            weights[elem] = float("inf")
+    psw64, psw = (None, None) if psw is None else (psw.double(), psw.to(dtype))
     got = collection_native(weights.to(dtype), values, offsets, psw, P.meta, B, P.total_dim, P.max_dim)
     want = collection_reference(weights, values, offsets, psw64, P.meta, B, P.total_dim, P.max_dim)
     assert_close(got, want, dtype, reduction=4)

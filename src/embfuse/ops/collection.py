@@ -257,7 +257,12 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
         _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
     else:
         bag = bag_of_value(offsets, values.numel()).clamp(0, max(F * B - 1, 0))
-    rows = meta[:, ROW_START][bag // max(B, 1)] + values.long().clamp(min=0)  # (SKIPPED ids weigh 0)
+    rows = meta[:, ROW_START][bag // max(B, 1)] + values.long()
+    named = values >= 0
+    if not bool(named.all()):  # SKIPPED ids (ops/safe.py) left out, not weighted 0: 0 * an inf row is NaN
+        before = torch.cat([named.new_zeros(1, dtype=torch.int64), named.long().cumsum(0)])
+        offsets, rows = before[offsets.clamp(0, values.numel())], rows[named]
+        psw = None if psw is None else psw[named]
     table = weights.view(-1, D)
     pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
                                                per_sample_weights=None if psw is None else psw.to(table.dtype))
