@@ -6,7 +6,8 @@ import torch
 from embfuse.ops import tuning
 from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference, bag_of_value
 from embfuse.ops.collection import (Plan, collection_backward, collection_backward_reference, collection_forward,
-                                    collection_native, collection_native_backward, collection_reference)
+                                    collection_native, collection_native_backward, collection_reference,
+                                    feature_native_backward, table_view)
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
 from embfuse.optim.fused import collection_update
 from embfuse.optim.rules import init_state
@@ -94,14 +95,19 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("pooling", [None, "sum"], ids=["mixed", "all-sum"])
-def test_the_cpus_one_width_paths_match_float64(dtype, weighted, pooling):
-    """The CPU's own forward (torch's embedding_bag over the flat buffer) and backward (gradient
-    rows into buffer rows) of a collection whose features share one width, every pooling, with
-    ids a safe lookup dropped (SKIPPED, -1; each table's row 0, which no kept id names, holding
-    inf, which a dropped id must not read): the element-wise references'."""
-    tables = [(11, 8), (7, 8), (5, 8), (9, 8)]
-    P = Plan(tables, [(t, pooling or p, 8 * f) for f, (t, p) in enumerate(FEATURES)], "cpu")
+@pytest.mark.parametrize("pooling", [None, "sum"], ids=["every-pooling", "all-sum"])
+@pytest.mark.parametrize("dims", [(8, 8, 8, 8), (8, 16, 3, 8)], ids=["one-width", "mixed-widths"])
+def test_the_cpus_native_paths_match_float64(dtype, weighted, pooling, dims):
+    """The CPU's own forward (torch's embedding_bag per feature), backward (gradient rows into
+    buffer rows: the one-width form, which also traces, or per feature) and fused update of a
+    collection, every pooling, with ids a safe lookup dropped (SKIPPED, -1; each table's row 0,
+    which no kept id names, holding inf, which a dropped id must not read): the element-wise
+    references'."""
+    tables = [(r, d) for (r, _), d in zip([(11, 0), (7, 0), (5, 0), (9, 0)], dims)]
+    cols = [0]
+    for t, _ in FEATURES:
+        cols.append(cols[-1] + dims[t])
+    P = Plan(tables, [(t, pooling or p, cols[f]) for f, (t, p) in enumerate(FEATURES)], "cpu")
     B = 7
     values, offsets, psw = batch(B, "cpu", weighted)
     rows = torch.tensor([tables[t][0] for t, _ in FEATURES]).repeat_interleave(B)
@@ -117,21 +123,39 @@ def test_the_cpus_one_width_paths_match_float64(dtype, weighted, pooling):
     want = collection_reference(weights, values, offsets, psw64, P.meta, B, P.total_dim, P.max_dim)
     assert_close(got, want, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, dtype=torch.float64)
-    got = collection_native_backward(grad.to(dtype), values, offsets, psw, P.meta, B, P.num_elements, P.max_dim,
-                                     P.scaled)  # (unweighted sums: no scale at all)
+    args = (grad.to(dtype), values, offsets, psw, P.meta, B, P.num_elements)
+    if len(set(dims)) == 1:  # (unweighted sums: no scale at all)
+        got = collection_native_backward(*args, P.max_dim, P.scaled)
+    else:
+        got = feature_native_backward(*args, P.scaled)
     want = collection_backward_reference(grad, values, offsets, psw64, P.meta, B, P.num_elements, P.max_dim)
     assert_close(got, want, dtype, reduction=len(values))
-    # the fused update: the rule on the touched rows of that gradient (row and element state)
-    touched = want.view(-1, 8).abs().sum(1) > 0
+    # the fused update: the rule on each table's touched rows of that gradient (row and element state)
     for opt in (RowWiseAdagrad(lr=0.1, weight_decay=0.01), Adam(lr=0.05)):
         w, state = weights.to(dtype, copy=True), init_state(opt, P.num_rows, 0, "cpu", P.num_elements)
         collection_update(w, state, opt, values, offsets, psw, P, B, grad.to(dtype), 1, kernel=False)
-        rows = {k: v.double().view(P.num_rows, -1)[touched].squeeze(1) for k, v in init_state(
-            opt, P.num_rows, 0, "cpu", P.num_elements).items()}
-        new, _ = opt.update(weights.view(-1, 8)[touched], want.view(-1, 8)[touched], rows, 1)
-        expected = weights.view(-1, 8).clone()
-        expected[touched] = new
-        assert_close(w, expected.view(-1), dtype, reduction=8)
+        expected = weights.clone()
+        for n, dim, elem, _ in P.tables:
+            g = table_view(want, elem, n, dim)
+            touched = g.abs().sum(1) > 0
+            fresh = {k: v.double() for k, v in init_state(opt, int(touched.sum()), dim, "cpu").items()}
+            new, _ = opt.update(table_view(weights, elem, n, dim)[touched], g[touched], fresh, 1)
+            table_view(expected, elem, n, dim)[touched] = new
+        assert_close(w, expected, dtype, reduction=8)
+
+
+def test_unchecked_offsets_never_take_the_cpus_collection_past_the_values():
+    """bounds_check="off" on the CPU: a collection's offsets past the values, negative or
+    decreasing pool the values that exist, as the offsets held inside [0, n] and non-decreasing
+    (torch's CPU kernel, given them, raises or reads past the values)."""
+    P = Plan([(10, 4), (6, 4)], [(0, "sum", 0), (1, "mean", 4)], "cpu")
+    weights, values = torch.randn(64, dtype=torch.float64), torch.randint(0, 6, (12,))
+    for offsets, cut in (([0, 2, 50, 4, 6, 9, 12], [0, 2, 12, 12, 12, 12, 12]),
+                         ([0, 2, 1, 4, 6, 9, 12], [0, 2, 2, 4, 6, 9, 12]),
+                         ([-5, 2, 4, 4, 6, 9, 40], [0, 2, 4, 4, 6, 9, 12])):
+        got = collection_native(weights, values, torch.tensor(offsets), None, P.meta, 3, P.total_dim, P.max_dim)
+        want = collection_reference(weights, values, torch.tensor(cut), None, P.meta, 3, P.total_dim, P.max_dim)
+        assert_close(got, want, torch.float64), offsets
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

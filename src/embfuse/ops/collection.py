@@ -21,7 +21,7 @@ from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, trit
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
                               accumulation,
-                              backward_inputs, backward_inputs_reference, bag_norms_reference, bag_of_value, divide,
+                              backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
@@ -221,6 +221,29 @@ def one_width_rows(values, keys, bag, meta, B, D, slots):
     return ids, (bag % max(B, 1)) * slots + meta[:, OUT_COL][feature] // D
 
 
+def feature_grad_rows(grad, values, keys, bag, scale, meta_rows, B, acc):
+    """Per feature f (meta_rows[f]: its meta row as ints), the ids of its values that a bag pools
+    and their gradient rows, scaled, in `acc`: what the CPU's mixed-width backward and fused
+    update add or sum into f's table (SKIPPED ids touch no row)."""
+    feature = bag // max(B, 1)
+    for f, m in enumerate(meta_rows):
+        at = ((feature == f) & (keys >= 0)).nonzero()[:, 0]
+        rows = grad[bag[at] % max(B, 1), m[OUT_COL]:m[OUT_COL] + m[DIM]].to(acc)
+        yield f, values[at].long(), rows if scale is None else rows * scale[at][:, None]
+
+
+def feature_native_backward(grad, values, offsets, psw, meta, B, num_elements, scaled=True):
+    """The CPU backward of any widths (eager: it compacts by feature): each feature's scaled
+    gradient rows added into its table's view of the flat gradient."""
+    acc = accumulation(grad)
+    keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=scaled)
+    out, meta_rows = torch.zeros(num_elements, dtype=acc), meta.tolist()
+    for f, ids, rows in feature_grad_rows(grad, values, keys, bag, scale, meta_rows, B, acc):
+        m = meta_rows[f]
+        table_view(out, m[ELEM_START], m[ROWS], m[DIM]).index_add_(0, ids, rows)
+    return out.to(grad.dtype)
+
+
 def collection_native_backward(grad, values, offsets, psw, meta, B, num_elements, max_dim, scaled=True):
     """collection_native's backward (features of one width D): one table's dense reduction over
     the flat buffer seen as (rows, D), each value's gradient row scaled into its global row (rows,
@@ -247,30 +270,43 @@ def one_width(meta: Tensor, total_dim: int, max_dim: int) -> bool:
     return meta.shape[0] * max_dim == total_dim
 
 
+def _feature_runs(values, offsets, psw, B):
+    """What the per-feature CPU paths slice: (offsets held inside [0, n] and non-decreasing, so
+    torch's kernel reads no id past the values under bounds_check="off"; a valid batch is
+    unchanged), with SKIPPED ids (ops/safe.py) left out and the offsets renumbered over the rest,
+    and the F + 1 first values of each feature's run (host ints)."""
+    n = values.numel()
+    offsets = offsets.clamp(0, n).cummax(0).values
+    named = values >= 0
+    if not bool(named.all()):  # (left out, not weighted 0: 0 * an inf row is NaN)
+        before = torch.cat([named.new_zeros(1, dtype=torch.int64), named.long().cumsum(0)])
+        offsets, values = before[offsets], values[named]
+        psw = None if psw is None else psw[named]
+    return values, offsets, psw, offsets[::B].tolist()
+
+
 def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim):
-    """The CPU path of a collection whose features share one width: the flat buffer as one
-    (rows, D) table, global rows (a table's first row + id), and torch's native embedding_bag
-    over all F * B bags at once (sum; each bag then divided by its norm, bags.py)."""
-    D, F = max_dim, meta.shape[0]
+    """The CPU path of fp32 and fp64 tables (eager: it reads the feature starts): per feature,
+    torch's native embedding_bag over its table's (rows, dim) view of the flat buffer (sum in the
+    table's dtype, as the reference; each bag then divided by its norm, bags.py), written into
+    the feature's columns."""
+    out = weights.new_zeros(B, total_dim)
+    if B == 0:
+        return out
     norm = None
     if any(p in SCALED for p in meta[:, POOL].tolist()):  # (else every norm is 1: no division)
-        _, bag, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
-    else:
-        bag = bag_of_value(offsets, values.numel()).clamp(0, max(F * B - 1, 0))
-    rows = meta[:, ROW_START][bag // max(B, 1)] + values.long()
-    named = values >= 0
-    if not bool(named.all()):  # SKIPPED ids (ops/safe.py) left out, not weighted 0: 0 * an inf row is NaN
-        before = torch.cat([named.new_zeros(1, dtype=torch.int64), named.long().cumsum(0)])
-        offsets, rows = before[offsets.clamp(0, values.numel())], rows[named]
-        psw = None if psw is None else psw[named]
-    table = weights.view(-1, D)
-    pooled = torch.nn.functional.embedding_bag(rows, table, offsets, mode="sum", include_last_offset=True,
-                                               per_sample_weights=None if psw is None else psw.to(table.dtype))
-    if norm is not None:
-        pooled = divide_reference(pooled, norm)
-    out = weights.new_empty(B, F, D)
-    out[:, meta[:, OUT_COL] // D] = pooled.view(F, B, D).transpose(0, 1)
-    return out.view(B, total_dim)
+        _, _, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
+    values, offsets, psw, starts = _feature_runs(values, offsets, psw, B)
+    for f, m in enumerate(meta.tolist()):
+        a, b = starts[f], starts[f + 1]
+        table = table_view(weights, m[ELEM_START], m[ROWS], m[DIM])
+        pooled = torch.nn.functional.embedding_bag(
+            values[a:b], table, offsets[f * B:(f + 1) * B + 1] - a, mode="sum", include_last_offset=True,
+            per_sample_weights=None if psw is None else psw[a:b].to(table.dtype))
+        if norm is not None:
+            pooled = divide_reference(pooled, norm[f * B:(f + 1) * B])
+        out[:, m[OUT_COL]:m[OUT_COL] + m[DIM]] = pooled
+    return out
 
 
 def pool_collection(weights, values, offsets, psw, plan, B, status=None):
@@ -283,7 +319,7 @@ def pool_collection(weights, values, offsets, psw, plan, B, status=None):
 
 
 def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, status):
-    if status is None and weights.device.type == "cpu" and not tracing() and one_width(meta, total_dim, max_dim):
+    if status is None and weights.device.type == "cpu" and weights.dtype == accumulation(weights) and not tracing():
         return collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
@@ -322,6 +358,8 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
     if grad.device.type == "cpu" and max_dim > 0 and one_width(meta, grad.shape[1], max_dim):
         return collection_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim,
                                           scaled)
+    if grad.device.type == "cpu" and not tracing():
+        return feature_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, scaled)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 

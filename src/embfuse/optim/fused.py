@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from embfuse._triton import tl, triton, use_kernels
-from embfuse.ops.bags import DIM, OUT_COL, accumulation, backward_inputs, backward_inputs_reference
-from embfuse.ops.collection import one_width, one_width_rows, table_view
+from embfuse.ops.bags import accumulation, backward_inputs, backward_inputs_reference
+from embfuse.ops.collection import feature_grad_rows, one_width, one_width_rows, table_view
 from embfuse.ops.deferred import known_good
 from embfuse.ops.validate import check_fused_table
 from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
@@ -234,14 +234,9 @@ def collection_update(weights, state, optimizer, values, offsets, psw, plan, B, 
         return _one_width_update(weights, state, optimizer, values, offsets, psw, plan, B, grad, step, acc)
     # reference: per table, the gradient rows of all its features, then one update
     keys, bag, scale = backward_inputs_reference(values, offsets, psw, plan.meta, B, dtype=acc, scaled=plan.scaled)
-    feature = bag // max(B, 1)
     by_table = {}
-    for f, (m, t) in enumerate(zip(plan.rows, plan.feature_table)):
-        at = ((feature == f) & (keys >= 0)).nonzero()[:, 0]  # (SKIPPED ids touch no row)
-        rows = grad[bag[at] % max(B, 1), m[OUT_COL]:m[OUT_COL] + m[DIM]].to(acc)
-        if scale is not None:
-            rows = rows * scale[at][:, None]
-        by_table.setdefault(t, []).append((values[at].long(), rows))
+    for f, ids, rows in feature_grad_rows(grad, values, keys, bag, scale, plan.rows, B, acc):
+        by_table.setdefault(plan.feature_table[f], []).append((ids, rows))
     per = optimizer.state_spec()
     for t, parts in by_table.items():
         rows, dim, elem, row = plan.tables[t]
