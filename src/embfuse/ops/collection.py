@@ -293,17 +293,17 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     out = weights.new_zeros(B, total_dim)
     if B == 0:
         return out
-    norm = None
-    if any(p in SCALED for p in meta[:, POOL].tolist()):  # (else every norm is 1: no division)
+    meta_rows, norm = meta.tolist(), None
+    if any(m[POOL] in SCALED for m in meta_rows):  # (only these divide: a sum's norm is 1)
         _, _, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
     values, offsets, psw, starts = _feature_runs(values, offsets, psw, B)
-    for f, m in enumerate(meta.tolist()):
+    for f, m in enumerate(meta_rows):
         a, b = starts[f], starts[f + 1]
         table = table_view(weights, m[ELEM_START], m[ROWS], m[DIM])
         pooled = torch.nn.functional.embedding_bag(
             values[a:b], table, offsets[f * B:(f + 1) * B + 1] - a, mode="sum", include_last_offset=True,
             per_sample_weights=None if psw is None else psw[a:b].to(table.dtype))
-        if norm is not None:
+        if m[POOL] in SCALED:
             pooled = divide_reference(pooled, norm[f * B:(f + 1) * B])
         out[:, m[OUT_COL]:m[OUT_COL] + m[DIM]] = pooled
     return out
