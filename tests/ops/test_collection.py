@@ -99,7 +99,7 @@ def test_forward_and_backward_kernels_match_float64(dtype, weighted, index_dtype
 @pytest.mark.parametrize("dims", [(8, 8, 8, 8), (8, 16, 3, 8)], ids=["one-width", "mixed-widths"])
 def test_the_cpus_native_paths_match_float64(dtype, weighted, pooling, dims):
     """The CPU's own forward (torch's embedding_bag per feature), backward (gradient rows into
-    buffer rows: the one-width form, which also traces, or per feature) and fused update of a
+    buffer rows: per feature, and the traced one-width form) and fused update of a
     collection, every pooling, with ids a safe lookup dropped (SKIPPED, -1; each table's row 0,
     which no kept id names, holding inf, which a dropped id must not read): the element-wise
     references'."""
@@ -124,12 +124,10 @@ def test_the_cpus_native_paths_match_float64(dtype, weighted, pooling, dims):
     assert_close(got, want, dtype, reduction=4)
     grad = torch.randn(B, P.total_dim, dtype=torch.float64)
     args = (grad.to(dtype), values, offsets, psw, P.meta, B, P.num_elements)
-    if len(set(dims)) == 1:  # (unweighted sums: no scale at all)
-        got = collection_native_backward(*args, P.max_dim, P.scaled)
-    else:
-        got = feature_native_backward(*args, P.scaled)
     want = collection_backward_reference(grad, values, offsets, psw64, P.meta, B, P.num_elements, P.max_dim)
-    assert_close(got, want, dtype, reduction=len(values))
+    assert_close(feature_native_backward(*args, P.scaled), want, dtype, reduction=len(values))
+    if len(set(dims)) == 1:  # (the traced form; unweighted sums: no scale at all)
+        assert_close(collection_native_backward(*args, P.max_dim, P.scaled), want, dtype, reduction=len(values))
     # the fused update: the rule on each table's touched rows of that gradient (row and element state)
     for opt in (RowWiseAdagrad(lr=0.1, weight_decay=0.01), Adam(lr=0.05)):
         w, state = weights.to(dtype, copy=True), init_state(opt, P.num_rows, 0, "cpu", P.num_elements)

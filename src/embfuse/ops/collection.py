@@ -233,8 +233,9 @@ def feature_grad_rows(grad, values, keys, bag, scale, meta_rows, B, acc):
 
 
 def feature_native_backward(grad, values, offsets, psw, meta, B, num_elements, scaled=True):
-    """The CPU backward of any widths (eager: it compacts by feature): each feature's scaled
-    gradient rows added into its table's view of the flat gradient."""
+    """The eager CPU backward of any widths (it compacts by feature, a host read): each feature's
+    scaled gradient rows added into its table's view of the flat gradient. Faster than
+    collection_native_backward at one width too (benchmarks/NOTES.md, session 30)."""
     acc = accumulation(grad)
     keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc, scaled=scaled)
     out, meta_rows = torch.zeros(num_elements, dtype=acc), meta.tolist()
@@ -245,9 +246,9 @@ def feature_native_backward(grad, values, offsets, psw, meta, B, num_elements, s
 
 
 def collection_native_backward(grad, values, offsets, psw, meta, B, num_elements, max_dim, scaled=True):
-    """collection_native's backward (features of one width D): one table's dense reduction over
-    the flat buffer seen as (rows, D), each value's gradient row scaled into its global row (rows,
-    not the reference's elements)."""
+    """The traced CPU backward of features of one width D (no host read): one table's dense
+    reduction over the flat buffer seen as (rows, D), each value's gradient row scaled into its
+    global row (rows, not the reference's elements)."""
     D = max_dim
     keys, bag, scale = backward_inputs_reference(values, offsets, psw, meta, B, dtype=accumulation(grad),
                                                  scaled=scaled)
@@ -355,11 +356,11 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
         grad = grad * (status[0] == 0)
-    if grad.device.type == "cpu" and max_dim > 0 and one_width(meta, grad.shape[1], max_dim):
-        return collection_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim,
-                                          scaled)
     if grad.device.type == "cpu" and not tracing():
         return feature_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, scaled)
+    if grad.device.type == "cpu" and max_dim > 0 and one_width(meta, grad.shape[1], max_dim):  # (traced: no host read)
+        return collection_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim,
+                                          scaled)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
 
 
