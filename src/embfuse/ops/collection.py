@@ -223,7 +223,7 @@ def one_width_rows(values, keys, bag, meta, B, D, slots):
 
 def feature_grad_rows(grad, values, keys, bag, scale, meta_rows, B, acc):
     """Per feature f (meta_rows[f]: its meta row as ints), the ids of its values that a bag pools
-    and their gradient rows, scaled, in `acc`: what the CPU's mixed-width backward and fused
+    and their gradient rows, scaled, in `acc`: what the CPU's eager backward and mixed-width fused
     update add or sum into f's table (SKIPPED ids touch no row)."""
     feature = bag // max(B, 1)
     for f, m in enumerate(meta_rows):
