@@ -81,6 +81,13 @@ def bag_of_value(offsets: Tensor, n: int) -> Tensor:
     return starts[:n].cumsum(0) - 1
 
 
+def held_offsets(offsets: Tensor, n: int) -> Tensor:
+    """Offsets held inside [0, n] and non-decreasing: what torch's CPU embedding_bag may be given
+    (it reads ids up to the last offset, and bounds_check="off" has checked none). A valid batch
+    is unchanged."""
+    return offsets.clamp(0, n).cummax(0).values
+
+
 def pooled_values(values: Tensor, offsets: Tensor, padding_idx: int = -1) -> tuple[Tensor, Tensor]:
     """(mask of the values a bag pools: inside [offsets[0], offsets[-1]), not padding, not
     negative (SKIPPED: what ops/safe.py leaves of an entry TensorFlow drops); each value's bag,

@@ -22,7 +22,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
                               accumulation,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
-                              divide_reference, guard_bags, pool_bag, pool_norm)
+                              divide_reference, guard_bags, held_offsets, pool_bag, pool_norm)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
 from embfuse.ops.segments import Layout, reduce_segments, segment_grad_reference, table_starts
@@ -272,12 +272,10 @@ def one_width(meta: Tensor, total_dim: int, max_dim: int) -> bool:
 
 
 def _feature_runs(values, offsets, psw, B):
-    """What the per-feature CPU paths slice: (offsets held inside [0, n] and non-decreasing, so
-    torch's kernel reads no id past the values under bounds_check="off"; a valid batch is
-    unchanged), with SKIPPED ids (ops/safe.py) left out and the offsets renumbered over the rest,
-    and the F + 1 first values of each feature's run (host ints)."""
-    n = values.numel()
-    offsets = offsets.clamp(0, n).cummax(0).values
+    """What the per-feature CPU paths slice: (values, held offsets (bags.held_offsets), weights)
+    with SKIPPED ids (ops/safe.py) left out and the offsets renumbered over the rest, and the
+    F + 1 first values of each feature's run (host ints)."""
+    offsets = held_offsets(offsets, values.numel())
     named = values >= 0
     if not bool(named.all()):  # (left out, not weighted 0: 0 * an inf row is NaN)
         before = torch.cat([named.new_zeros(1, dtype=torch.int64), named.long().cumsum(0)])

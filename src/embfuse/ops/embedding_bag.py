@@ -22,7 +22,7 @@ from torch import Tensor
 from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
 from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, MEAN, POOLINGS, SCALED, SQRTN, SUM, WEIGHT_SUMS,
                               accumulation, backward_inputs, bag_norms_reference, divide, divide_reference, pool_bag,
-                              pool_norm, pooled_values, single_meta)
+                              held_offsets, pool_norm, pooled_values, single_meta)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -255,9 +255,7 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     materialises every gathered row (benchmarks/NOTES.md, session 29). Its max is
     `_max_reference`'s rule (NaN, inf, ties, padding), but an empty bag's max id is 0 there and
     -1 here."""
-    # offsets held inside [0, n] and non-decreasing: torch's kernel reads ids up to the last one
-    # it is given, and bounds_check="off" has checked none (a valid batch is unchanged)
-    offsets = offsets.clamp(0, indices.numel()).cummax(0).values.to(indices.dtype)
+    offsets = held_offsets(offsets, indices.numel()).to(indices.dtype)
     # (_embedding_bag, not _embedding_bag_forward_only: the latter's meta kernel gives B + 1 bag
     # sizes where its CPU kernel gives B, and inductor's output check fails on that under compile)
     out, _, size, max_ids = torch._embedding_bag(weight, indices, offsets, False, _TORCH_MODES[mode], False,
