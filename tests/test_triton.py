@@ -1,14 +1,22 @@
-"""The direct launcher (embfuse._triton): calls that Triton would compile differently (a
-pointer off 16-byte alignment, an int equal to 1 or a multiple of 16) get their own kernel."""
+"""embfuse._triton: the direct launcher (calls that Triton would compile differently, a pointer
+off 16-byte alignment, an int equal to 1 or a multiple of 16, get their own kernel) and the eager
+autograd path of the registered ops (eager_autograd, backward_needs_op)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import sys
+
 import embfuse
 from embfuse._triton import _direct
-from embfuse.ops.embedding_bag import _embedding_bag_fwd_kernel
-from .tolerances import assert_close
+from embfuse.ops.bags import POOLINGS
+from embfuse.ops.embedding_bag import _embedding_bag_fwd_checked_kernel, _embedding_bag_fwd_kernel
+from tests.conftest import DEVICES
+from .tolerances import assert_close, random_bags
+
+# (the modules: embfuse.ops binds the names of its functions over them)
+ebag, emb, ecoll = (sys.modules[f"embfuse.ops.{m}"] for m in ("embedding_bag", "embedding", "collection"))
 
 
 @pytest.mark.gpu
@@ -17,11 +25,86 @@ def test_direct_launches_respecialise_on_alignment_and_int_values():
     aligned, off_by_one = flat[:-1].view(1000, 20), flat[1:].view(1000, 20)
     ids = torch.randint(0, 1000, (37, 5), device="cuda")
     # a kernel reused for the wrong specialisation would pool the wrong rows (padding 1 is a
-    # constexpr to Triton) or read misaligned vectors: each case comes after another one
-    for weight, padding_idx in [(aligned, 17), (off_by_one, 17), (aligned, 1), (aligned, 16), (off_by_one, 1),
-                                (aligned, 17)]:
-        for _ in range(2):  # the second call takes the kept kernel
-            out = embfuse.embedding_bag(ids, weight, mode="sum", padding_idx=padding_idx)
-            ref = F.embedding_bag(ids.cpu(), weight.cpu().double(), mode="sum", padding_idx=padding_idx)
-            assert_close(out, ref, torch.float32, reduction=5)
-    assert _direct(_embedding_bag_fwd_kernel).compiled  # the calls took the direct path
+    # constexpr to Triton) or read misaligned vectors: each case comes after another one. The
+    # plain pooling kernel (`off`) and the one that folds in a small batch's check (default).
+    for mode, kernel in (("off", _embedding_bag_fwd_kernel), ("deferred", _embedding_bag_fwd_checked_kernel)):
+        for weight, padding_idx in [(aligned, 17), (off_by_one, 17), (aligned, 1), (aligned, 16), (off_by_one, 1),
+                                    (aligned, 17)]:
+            for _ in range(2):  # the second call takes the kept kernel
+                out = embfuse.embedding_bag(ids, weight, mode="sum", padding_idx=padding_idx, bounds_check=mode)
+                ref = F.embedding_bag(ids.cpu(), weight.cpu().double(), mode="sum", padding_idx=padding_idx)
+                assert_close(out, ref, torch.float32, reduction=5)
+        # the calls took the direct path: five specialisations (two alignments, paddings 17, 1, 16)
+        assert len(_direct(kernel).compiled) >= 5
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("an eager call recording a gradient went through the registered op")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_recorded_eager_bags_skip_the_op_dispatch_and_agree_with_the_op(device, mode, monkeypatch):
+    """An eager embedding_bag that autograd records runs the op's body, setup and backward in an
+    autograd.Function (eager_autograd), not the registered op: output and gradients bitwise
+    the op's, called directly."""
+    w = torch.randn(30, 8, device=device, dtype=torch.float64 if device == "cpu" else torch.float32)
+    ids, offsets = random_bags(6, 5, 30, device)
+    psw = torch.rand(ids.shape, device=device, dtype=w.dtype) if mode == "sum" else None
+    g = torch.randn(6, 8, device=device, dtype=w.dtype)
+    weights = [w.clone().requires_grad_(), w.clone().requires_grad_()]
+    psws = [None, None] if psw is None else [psw.clone().requires_grad_(), psw.clone().requires_grad_()]
+    ref, _ = torch.ops.embfuse.embedding_bag(weights[0], ids, offsets, psws[0], None, POOLINGS[mode], -1, False, 0)
+    ref.backward(g)
+    monkeypatch.setattr(ebag, "_embedding_bag_op", _refuse)
+    monkeypatch.setattr(ebag, "_embedding_bag_backward_op", _refuse)
+    out = embfuse.embedding_bag(ids, weights[1], offsets, mode=mode, per_sample_weights=psws[1],
+                                include_last_offset=True)
+    out.backward(g)
+    assert torch.equal(out, ref) and torch.equal(weights[1].grad, weights[0].grad)
+    assert psw is None or torch.equal(psws[1].grad, psws[0].grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recorded_eager_lookups_skip_the_op_dispatch_and_agree_with_the_op(device, monkeypatch):
+    """As above for embedding (its double backward keeps the op: tests/ops/test_embedding.py)."""
+    w = torch.randn(30, 8, device=device, dtype=torch.float64 if device == "cpu" else torch.float32)
+    ids = torch.randint(0, 30, (4, 5), device=device)
+    g = torch.randn(4, 5, 8, device=device, dtype=w.dtype)
+    weights = [w.clone().requires_grad_(), w.clone().requires_grad_()]
+    ref = torch.ops.embfuse.embedding(weights[0], ids.reshape(-1), None, -1, False, 0)
+    ref.backward(g.view(-1, 8))
+    monkeypatch.setattr(emb, "_embedding_op", _refuse)
+    monkeypatch.setattr(emb, "_embedding_backward_op", _refuse)
+    out = embfuse.embedding(ids, weights[1])
+    out.backward(g)
+    assert torch.equal(out.view(-1, 8), ref) and torch.equal(weights[1].grad, weights[0].grad)
+
+
+def test_recorded_eager_collections_skip_the_op_dispatch(monkeypatch):
+    """A collection whose weights record a gradient: its eager forward and backward take the
+    op's body (the gradients against torch: tests/nn/test_collection.py)."""
+    from embfuse.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    monkeypatch.setattr(ecoll, "_collection_op", _refuse)
+    monkeypatch.setattr(ecoll, "_collection_backward_op", _refuse)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(9, 4, "t", feature_names=["a", "b"])])
+    kjt = embfuse.KeyedJaggedTensor(["a", "b"], torch.tensor([1, 8, 0, 3, 3]), lengths=torch.tensor([2, 0, 1, 2]))
+    ebc(kjt).values().sum().backward()
+    expect = torch.zeros(9, 4)
+    expect[[1, 8, 0, 3]] = torch.tensor([1.0, 1, 1, 2])[:, None]
+    assert torch.equal(ebc.weights.grad.view(9, 4), expect)
+
+
+@pytest.mark.parametrize("lookup", ["embedding", "embedding_bag"])
+def test_batched_gradients_of_eager_lookups(lookup):
+    """gradcheck's batched check (autograd's is_grads_batched runs the backward on a batched
+    gradient), which torch's own test_embedding.py asks of nn.functional.embedding: the eager
+    backward then takes the registered op, whose fallback takes the batch entry by entry."""
+    ids = torch.tensor([[0, 1, 1, 2], [3, 5, 7, 11]])
+    fn = {"embedding": lambda w: embfuse.embedding(ids, w),
+          "embedding_bag": lambda w: embfuse.embedding_bag(ids, w, mode="mean")}[lookup]
+    w = torch.randn(20, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fn, (w,), check_batched_grad=True)
+    if lookup == "embedding":  # (the one with a double backward)
+        assert torch.autograd.gradgradcheck(fn, (w,), check_batched_grad=True)

@@ -92,6 +92,31 @@ def needs_op(*tensors) -> bool:
     return tracing() or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
+def backward_needs_op(grad) -> bool:
+    """Whether a backward calls its registered backward op rather than the op's body: as
+    `needs_op` (tracing, or a double backward recording it), or for gradients batched by
+    autograd's `is_grads_batched` (gradcheck's batched check), which the op's fallback takes
+    entry by entry where the body's in-place ops cannot take them at once."""
+    return needs_op(grad) or torch._C._functorch.is_legacy_batchedtensor(grad)
+
+
+def eager_autograd(body, setup_context, backward):
+    """The autograd.Function that eager calls recording a gradient run in place of a registered
+    op: the op's own body, setup_context and backward, without the custom-op dispatch around
+    each of them (benchmarks/NOTES.md, session 31). Traced calls keep the op (`tracing`), which
+    torch.compile and opcheck see."""
+
+    def forward(ctx, *inputs):
+        # (ctx in forward, no setup_context staticmethod: with one, each apply binds its
+        # arguments through inspect.signature, about 15 us a call)
+        output = body(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(f"Eager_{body.__name__.lstrip('_')}", (torch.autograd.Function,),
+                dict(forward=staticmethod(forward), backward=staticmethod(backward))).apply
+
+
 class _DirectLauncher:
     """Launches a compiled Triton kernel with less host work than `kernel[grid](...)`.
 

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from embfuse import _handles
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
+from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
+                              triton, use_kernels)
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
                               accumulation,
@@ -326,14 +327,16 @@ def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, 
     return collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim)
 
 
-@kernel_op("embfuse::embedding_bag_collection", mutates_args=())
-def _collection_op(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                   status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
-                   vec: int, wide_keys: bool, scaled: bool, weight_sums: bool, skips: bool, tail: bool) -> Tensor:
+def _collection_body(weights: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                     status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, total_dim: int, max_dim: int,
+                     vec: int, wide_keys: bool, scaled: bool, weight_sums: bool, skips: bool, tail: bool) -> Tensor:
     if use_kernels(weights) and weights.dtype != torch.float64:
         return collection_forward(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, vec,
                                   status=status, weight_sums=weight_sums, skips=skips)
     return _pool_reference(weights, values, offsets, per_sample_weights, meta, B, total_dim, max_dim, status)
+
+
+_collection_op = kernel_op("embfuse::embedding_bag_collection")(_collection_body)
 
 
 @_collection_op.register_fake
@@ -342,11 +345,10 @@ def _(weights, values, offsets, per_sample_weights, status, meta, src_meta, B, t
     return weights.new_empty(B, total_dim)
 
 
-@kernel_op("embfuse::embedding_bag_collection_backward", mutates_args=())
-def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                            status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
-                            max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool,
-                            skips: bool, tail: bool) -> Tensor:
+def _collection_backward_body(grad: Tensor, values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                              status: Optional[Tensor], meta: Tensor, src_meta: Tensor, B: int, num_elements: int,
+                              max_dim: int, vec: int, wide_keys: bool, scaled: bool, weight_sums: bool,
+                              skips: bool, tail: bool) -> Tensor:
     if use_kernels(grad) and grad.dtype != torch.float64:
         layout = Layout(max_dim, vec, wide_keys)
         return collection_backward(grad, values, offsets, per_sample_weights, meta, src_meta, layout, B,
@@ -360,6 +362,9 @@ def _collection_backward_op(grad: Tensor, values: Tensor, offsets: Tensor, per_s
         return collection_native_backward(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim,
                                           scaled)
     return collection_backward_reference(grad, values, offsets, per_sample_weights, meta, B, num_elements, max_dim)
+
+
+_collection_backward_op = kernel_op("embfuse::embedding_bag_collection_backward")(_collection_backward_body)
 
 
 @_collection_backward_op.register_fake
@@ -379,11 +384,13 @@ def _autograd_backward(ctx, grad):
     values, offsets, psw, status, meta, src_meta = ctx.saved_tensors
     g = None
     if ctx.needs_input_grad[0]:
-        g = _collection_backward_op(grad, values, offsets, psw, status, meta, src_meta, *ctx.args)
+        dense = _collection_backward_op if backward_needs_op(grad) else _collection_backward_body
+        g = dense(grad, values, offsets, psw, status, meta, src_meta, *ctx.args)
     return (g,) + (None,) * 15
 
 
 _collection_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_eager_collection = eager_autograd(_collection_body, _setup_context, _autograd_backward)
 
 
 def _layer_norm_body(weights, values, offsets, per_sample_weights, status, meta, ln_weight, ln_bias, B, total_dim,
@@ -431,7 +438,7 @@ def embedding_bag_collection(weights: Tensor, values: Tensor, offsets: Tensor, p
         raise ValueError("per-sample weights of a collection get no gradient; detach them")
     if needs_op(weights):
         L = plan.layout
-        return _collection_op(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B,
-                              plan.total_dim, plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums,
-                              plan.skips, plan.tail)
+        run = _collection_op if tracing() else _eager_collection
+        return run(weights, values, offsets, per_sample_weights, status, plan.meta, plan.src_meta, B, plan.total_dim,
+                   plan.max_dim, L.vec, L.wide_keys, plan.scaled, plan.weight_sums, plan.skips, plan.tail)
     return pool_collection(weights, values, offsets, per_sample_weights, plan, B, status)

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
+from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
+                              triton, use_kernels)
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
@@ -114,10 +115,12 @@ def guarded_ids(indices, status):
     return indices.long() if status is None else guard(indices.long(), status, -1)
 
 
-@kernel_op("embfuse::embedding", mutates_args=())
-def _embedding_op(weight: Tensor, indices: Tensor, status: Optional[Tensor], padding_idx: int,
-                  scale_grad_by_freq: bool, sparse: int) -> Tensor:
+def _embedding_body(weight: Tensor, indices: Tensor, status: Optional[Tensor], padding_idx: int,
+                    scale_grad_by_freq: bool, sparse: int) -> Tensor:
     return gather(weight, indices, status)
+
+
+_embedding_op = kernel_op("embfuse::embedding")(_embedding_body)
 
 
 @_embedding_op.register_fake
@@ -125,14 +128,16 @@ def _(weight, indices, status, padding_idx, scale_grad_by_freq, sparse):
     return weight.new_empty(indices.shape[0], weight.shape[1])
 
 
-@kernel_op("embfuse::embedding_backward", mutates_args=())
-def _embedding_backward_op(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
-                           scale_grad_by_freq: bool) -> Tensor:
+def _embedding_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> Tensor:
     ids = indices.long()  # (-1: no row)
     if use_kernels(grad) and grad.dtype != torch.float64:
         return segment_grad(ids, grad.contiguous(), None, None, num_weights, padding_idx, scale_grad_by_freq,
                             grad.dtype)
     return segment_grad_reference(ids, grad, None, None, num_weights, padding_idx, scale_grad_by_freq, grad.dtype)
+
+
+_embedding_backward_op = kernel_op("embfuse::embedding_backward")(_embedding_backward_body)
 
 
 @_embedding_backward_op.register_fake
@@ -205,12 +210,14 @@ def _autograd_backward(ctx, grad):
                                 use_kernels(grad) and grad.dtype != torch.float64)
     elif sparse == COO:
         g = _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    else:
-        g = _embedding_backward_op(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    else:  # (the op where its own backward may be taken: double backward under create_graph)
+        dense = _embedding_backward_op if backward_needs_op(grad) else _embedding_backward_body
+        g = dense(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     return g, None, None, None, None, None
 
 
 _embedding_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_eager_embedding = eager_autograd(_embedding_body, _setup_context, _autograd_backward)
 
 
 def prepare_ids(input, weight, padding_idx, max_norm, norm_type, bounds_check, name, fresh=True, fold=False):
@@ -282,5 +289,6 @@ def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=Fa
     if needs_op(weight):
         if check is not None:
             status = check.status
-        return _embedding_op(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
+        run = _embedding_op if tracing() else _eager_embedding
+        return run(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
     return gather(weight, flat, status, check)

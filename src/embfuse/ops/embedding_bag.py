@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import cdiv, kernel_op, launch, needs_op, tl, tracing, triton, use_kernels
+from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
+                              triton, use_kernels)
 from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, MEAN, POOLINGS, SCALED, SQRTN, SUM, WEIGHT_SUMS,
                               accumulation, backward_inputs, bag_norms_reference, divide, divide_reference, pool_bag,
                               held_offsets, pool_norm, pooled_values, single_meta)
@@ -265,12 +266,14 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     return out, torch.where(size[:, None] == 0, -1, max_ids.long())
 
 
-@kernel_op("embfuse::embedding_bag", mutates_args=())
-def _embedding_bag_op(
+def _embedding_bag_body(
     weight: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], status: Optional[Tensor],
     mode: int, padding_idx: int, scale_grad_by_freq: bool, sparse: int,
 ) -> tuple[Tensor, Tensor]:
     return pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, status=status)
+
+
+_embedding_bag_op = kernel_op("embfuse::embedding_bag")(_embedding_bag_body)
 
 
 @_embedding_bag_op.register_fake
@@ -280,8 +283,7 @@ def _(weight, indices, offsets, per_sample_weights, status, mode, padding_idx, s
     return weight.new_empty(B, D), max_ids
 
 
-@kernel_op("embfuse::embedding_bag_backward", mutates_args=())
-def _embedding_bag_backward_op(
+def _embedding_bag_backward_body(
     grad: Tensor, indices: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], status: Optional[Tensor],
     max_ids: Tensor, num_weights: int, mode: int, padding_idx: int, scale_grad_by_freq: bool,
 ) -> Tensor:
@@ -290,6 +292,9 @@ def _embedding_bag_backward_op(
                                       padding_idx, scale_grad_by_freq, status)
     return embedding_bag_backward_reference(grad, indices, offsets, per_sample_weights, max_ids, num_weights,
                                             mode, padding_idx, scale_grad_by_freq, status)
+
+
+_embedding_bag_backward_op = kernel_op("embfuse::embedding_bag_backward")(_embedding_bag_backward_body)
 
 
 @_embedding_bag_backward_op.register_fake
@@ -378,14 +383,16 @@ def _autograd_backward(ctx, grad, _grad_max_ids):
             grad_weight = _sparse_grad(grad, indices, offsets, psw, num_weights, mode, padding_idx,
                                        scale_grad_by_freq, status)
         else:
-            grad_weight = _embedding_bag_backward_op(grad, indices, offsets, psw, status, max_ids, num_weights, mode,
-                                                     padding_idx, scale_grad_by_freq)
+            dense = _embedding_bag_backward_op if backward_needs_op(grad) else _embedding_bag_backward_body
+            grad_weight = dense(grad, indices, offsets, psw, status, max_ids, num_weights, mode, padding_idx,
+                                scale_grad_by_freq)
     if psw is not None and ctx.needs_input_grad[3]:
         grad_psw = per_sample_weights_grad(grad, weight, indices, offsets, psw, padding_idx, status, mode, out)
     return grad_weight, None, None, grad_psw, None, None, None, None, None
 
 
 _embedding_bag_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_eager_embedding_bag = eager_autograd(_embedding_bag_body, _setup_context, _autograd_backward)
 
 
 def _arange_offsets(B: int, L: int, device, dtype) -> Tensor:
@@ -545,8 +552,9 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
         open_end=direct)
     if grad:
         status = None if check is None else check.status
-        out, _ = _embedding_bag_op(weight, indices, offsets, per_sample_weights, status, mode, padding_idx,
-                                   scale_grad_by_freq, sparse)
+        run = _embedding_bag_op if tracing() else _eager_embedding_bag
+        out, _ = run(weight, indices, offsets, per_sample_weights, status, mode, padding_idx, scale_grad_by_freq,
+                     sparse)
         return out
     with window(resident):
         if direct:  # (pool's own choice, made once: a small call's time is the host's; ids read in place too)
