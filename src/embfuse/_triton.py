@@ -86,9 +86,10 @@ def tracing() -> bool:
 
 
 def needs_op(*tensors) -> bool:
-    """Whether a call must go through its registered op: under tracing or when autograd records
-    it. Otherwise eager code calls the op's body directly, which saves the custom-op dispatch
-    (tens of microseconds a call, the whole cost of a small lookup)."""
+    """Whether a call needs its op's autograd and registration: under tracing (the registered
+    op) or when autograd records it (in eager code, `eager_autograd`'s Function). Otherwise eager
+    code calls the op's body directly, which saves the custom-op dispatch (tens of microseconds a
+    call, the whole cost of a small lookup)."""
     return tracing() or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 

@@ -284,8 +284,8 @@ def embedding(
 
 def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=False, sparse=0, check=None):
     """The lookup of checked 1-D ids (status: their deferred check's, or None; or `check`, the
-    Check): through the registered op when autograd or tracing needs it, else straight to the
-    kernel."""
+    Check): through the registered op under tracing, its eager autograd twin when autograd
+    records the call, else straight to the kernel."""
     if needs_op(weight):
         if check is not None:
             status = check.status
