@@ -1,12 +1,16 @@
 """Per-feature LayerNorm + activation (ops/chain.py): kernels (GPU, or the interpreter on small
 shapes) and the registered op against a float64 reference, gradients included."""
 
+import sys
+
 import pytest
 import torch
 
 from embfuse.ops.chain import (ACTIVATIONS, layer_norm_act, layer_norm_act_backward, layer_norm_act_forward,
                                layer_norm_act_reference)
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
+
+chain = sys.modules["embfuse.ops.chain"]
 
 # the fp16/bf16 outputs round once at the store; their inputs are themselves rounded
 CHAIN_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -59,6 +63,35 @@ def test_op_and_its_gradients(device, act):
         torch.testing.assert_close(a.double(), e.double(), rtol=1e-4, atol=1e-5)
     B = torch.ops.embfuse.layer_norm_act
     torch.library.opcheck(B.default, (x.detach(), w.detach(), b.detach(), 1e-3, act))
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("an eager call went through the registered op")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_calls_skip_the_op_dispatch_and_agree_with_the_op(device, monkeypatch):
+    """Eager calls, recorded or not, run the op's body (recorded: in eager_autograd's Function):
+    outputs and gradients bitwise the registered op's; gradcheck's batched gradients too."""
+    g = torch.Generator().manual_seed(2)
+    x, w, b = _inputs(6, 3, 8, torch.float64 if device == "cpu" else torch.float32, device, True, g)
+    grad = torch.randn(x.shape, generator=g).to(device, x.dtype)
+    leaves = [[t.clone().requires_grad_() for t in (x, w, b)] for _ in range(2)]
+    ref = torch.ops.embfuse.layer_norm_act(*leaves[0], 1e-3, "tanh")
+    ref.backward(grad)
+    with monkeypatch.context() as m:
+        m.setattr(chain, "_layer_norm_act_op", _refuse)
+        m.setattr(chain, "_layer_norm_act_backward_op", _refuse)
+        y = layer_norm_act(*leaves[1], 1e-3, "tanh")
+        y.backward(grad)
+        with torch.no_grad():
+            assert torch.equal(layer_norm_act(x, w, b, 1e-3, "tanh"), ref)
+    assert torch.equal(y, ref)
+    for a, e in zip(leaves[1], leaves[0]):
+        assert torch.equal(a.grad, e.grad)
+    if device == "cpu":
+        assert torch.autograd.gradcheck(lambda *t: layer_norm_act(*t, 1e-3, "tanh"), tuple(leaves[1]),
+                                        check_batched_grad=True)
 
 
 def test_bad_arguments():

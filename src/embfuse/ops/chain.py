@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import cdiv, kernel_op, launch, next_pow2, tl, triton, use_kernels
+from embfuse._triton import (cdiv, eager_autograd, kernel_op, launch, needs_op, next_pow2, tl,
+                              tracing, triton, use_kernels)
 
 ACTIVATIONS = ("none", "tanh", "sigmoid", "relu")
 NONE, TANH, SIGMOID, RELU = range(4)
@@ -172,11 +173,14 @@ def layer_norm_act_backward_reference(grad, x, weight, bias, eps, act):
     return dx.to(x.dtype), dw, db
 
 
-@kernel_op("embfuse::layer_norm_act", mutates_args=())
-def _layer_norm_act_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, act: str) -> Tensor:
+def _layer_norm_act_body(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                         act: str) -> Tensor:
     if use_kernels(x) and x.dtype != torch.float64:
         return layer_norm_act_forward(x, weight, bias, eps, act)
     return layer_norm_act_reference(x, weight, bias, eps, act)
+
+
+_layer_norm_act_op = kernel_op("embfuse::layer_norm_act")(_layer_norm_act_body)
 
 
 @_layer_norm_act_op.register_fake
@@ -184,15 +188,17 @@ def _(x, weight, bias, eps, act):
     return torch.empty_like(x)
 
 
-@kernel_op("embfuse::layer_norm_act_backward", mutates_args=())
-def _layer_norm_act_backward_op(grad: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                                eps: float, act: str) -> list[Tensor]:
+def _layer_norm_act_backward_body(grad: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                                  eps: float, act: str) -> list[Tensor]:
     """[dx, dweight (if weight), dbias (if bias)]."""
     if use_kernels(x) and x.dtype != torch.float64:
         grads = layer_norm_act_backward(grad, x, weight, bias, eps, act)
     else:
         grads = layer_norm_act_backward_reference(grad, x, weight, bias, eps, act)
     return [t for t in grads if t is not None]
+
+
+_layer_norm_act_backward_op = kernel_op("embfuse::layer_norm_act_backward")(_layer_norm_act_backward_body)
 
 
 @_layer_norm_act_backward_op.register_fake
@@ -208,7 +214,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight, bias = ctx.saved_tensors
-    grads = iter(_layer_norm_act_backward_op(grad, x, weight, bias, ctx.eps, ctx.act))
+    # (a batched gradient takes the body too: the op has no batching rule, the torch ops do)
+    run = _layer_norm_act_backward_op if needs_op(grad) else _layer_norm_act_backward_body
+    grads = iter(run(grad, x, weight, bias, ctx.eps, ctx.act))
     dx = next(grads)
     dw = next(grads) if weight is not None else None
     db = next(grads) if bias is not None else None
@@ -216,6 +224,7 @@ def _backward(ctx, grad):
 
 
 _layer_norm_act_op.register_autograd(_backward, setup_context=_setup)
+_eager_layer_norm_act = eager_autograd(_layer_norm_act_body, _setup, _backward)
 
 
 def layer_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5,
@@ -228,4 +237,7 @@ def layer_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Te
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != tuple(x.shape[1:]):
             raise ValueError(f"{name} must be (N, D) = {tuple(x.shape[1:])}, got {tuple(t.shape)}")
-    return _layer_norm_act_op(x.contiguous(), weight, bias, float(eps), act)
+    run = _layer_norm_act_op  # under tracing; eager calls skip the dispatch (_triton.needs_op)
+    if not tracing():
+        run = _eager_layer_norm_act if needs_op(x, weight, bias) else _layer_norm_act_body
+    return run(x.contiguous(), weight, bias, float(eps), act)
