@@ -47,8 +47,9 @@ def _refuse(*args, **kwargs):
 def test_recorded_eager_bags_skip_the_op_dispatch_and_agree_with_the_op(device, mode, monkeypatch):
     """An eager embedding_bag that autograd records runs the op's body, setup and backward in an
     autograd.Function (eager_autograd), not the registered op: output and gradients bitwise
-    the op's, called directly."""
-    w = torch.randn(30, 8, device=device, dtype=torch.float64 if device == "cpu" else torch.float32)
+    the op's, called directly. (A float16 table on the CPU: fp32 / fp64 ones run torch's own
+    lookup there, the test below.)"""
+    w = torch.randn(30, 8, device=device, dtype=torch.float16 if device == "cpu" else torch.float32)
     ids, offsets = random_bags(6, 5, 30, device)
     psw = torch.rand(ids.shape, device=device, dtype=w.dtype) if mode == "sum" else None
     g = torch.randn(6, 8, device=device, dtype=w.dtype)
@@ -68,7 +69,7 @@ def test_recorded_eager_bags_skip_the_op_dispatch_and_agree_with_the_op(device, 
 @pytest.mark.parametrize("device", DEVICES)
 def test_recorded_eager_lookups_skip_the_op_dispatch_and_agree_with_the_op(device, monkeypatch):
     """As above for embedding (its double backward keeps the op: tests/ops/test_embedding.py)."""
-    w = torch.randn(30, 8, device=device, dtype=torch.float64 if device == "cpu" else torch.float32)
+    w = torch.randn(30, 8, device=device, dtype=torch.float16 if device == "cpu" else torch.float32)
     ids = torch.randint(0, 30, (4, 5), device=device)
     g = torch.randn(4, 5, 8, device=device, dtype=w.dtype)
     weights = [w.clone().requires_grad_(), w.clone().requires_grad_()]
@@ -96,11 +97,40 @@ def test_recorded_eager_collections_skip_the_op_dispatch(monkeypatch):
     assert torch.equal(ebc.weights.grad.view(9, 4), expect)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_recorded_cpu_lookups_are_torchs_own(mode, sparse):
+    """On the CPU an fp32 / fp64 recorded call runs torch's own lookup (validate.torch_records):
+    bitwise torch's output and gradients, its autograd node; options where embfuse differs from
+    torch on purpose (scale_grad_by_freq) and the row-wise gradient keep embfuse's backward."""
+    if sparse and mode == "max":
+        return
+    ids, offsets = random_bags(6, 5, 30, "cpu")
+    w = torch.randn(30, 8, dtype=torch.float64)
+    g = torch.randn(6, 8, dtype=torch.float64)
+    ours, theirs = w.clone().requires_grad_(), w.clone().requires_grad_()
+    out = embfuse.embedding_bag(ids, ours, offsets, mode=mode, sparse=sparse, include_last_offset=True)
+    want = F.embedding_bag(ids, theirs, offsets, mode=mode, sparse=sparse, include_last_offset=True)
+    out.backward(g)
+    want.backward(g)
+    assert type(out.grad_fn) is type(want.grad_fn)
+    assert torch.equal(out, want) and torch.equal(ours.grad.to_dense(), theirs.grad.to_dense())
+    node = embfuse.embedding(ids, ours, sparse=sparse).grad_fn.next_functions[0][0]  # (under its view)
+    assert type(node) is type(F.embedding(ids, theirs, sparse=sparse).grad_fn)
+    if mode != "max":
+        for kw in (dict(scale_grad_by_freq=True), dict(sparse="rowwise")):
+            out = embfuse.embedding_bag(ids, ours, offsets, mode=mode, include_last_offset=True, **kw)
+            assert type(out.grad_fn).__name__.startswith("Eager_embedding_bag")
+
+
 @pytest.mark.parametrize("lookup", ["embedding", "embedding_bag"])
-def test_batched_gradients_of_eager_lookups(lookup):
+def test_batched_gradients_of_eager_lookups(lookup, monkeypatch):
     """gradcheck's batched check (autograd's is_grads_batched runs the backward on a batched
     gradient), which torch's own test_embedding.py asks of nn.functional.embedding: the eager
-    backward then takes the registered op, whose fallback takes the batch entry by entry."""
+    backward then takes the registered op, whose fallback takes the batch entry by entry. (The
+    CPU's own torch lookup turned off: the path a GPU table takes.)"""
+    monkeypatch.setattr(ebag, "torch_records", lambda *a: False)
+    monkeypatch.setattr(emb, "torch_records", lambda *a: False)
     ids = torch.tensor([[0, 1, 1, 2], [3, 5, 7, 11]])
     fn = {"embedding": lambda w: embfuse.embedding(ids, w),
           "embedding_bag": lambda w: embfuse.embedding_bag(ids, w, mode="mean")}[lookup]

@@ -66,6 +66,18 @@ def accumulation(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# torch's ATen numbers of the modes whose CPU kernels follow embfuse's rules
+TORCH_MODES = {SUM: 0, MEAN: 1, MAX: 2}
+
+
+def torch_cpu(weight: Tensor, mode: int = SUM) -> bool:
+    """Whether torch's own CPU kernels follow embfuse's rules for a lookup of `weight` pooled by
+    `mode` (plain rows: SUM): fp32 / fp64 CPU tables, summed in their own dtype as embfuse sums,
+    and torch's modes. They pool (embedding_bag._torch_pool), and run the eager calls autograd
+    records (validate.torch_records)."""
+    return weight.device.type == "cpu" and mode in TORCH_MODES and weight.dtype == accumulation(weight)
+
+
 # ---- references (pure torch: the CPU path and the test oracle) ----
 
 def bag_of_value(offsets: Tensor, n: int) -> Tensor:

@@ -14,12 +14,13 @@ from torch.autograd import forward_ad
 
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
+from embfuse.ops.bags import SUM
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
-                                  validate_ids)
+                                  torch_records, validate_ids)
 
 
 def embedding_reference(weight: Tensor, indices: Tensor) -> Tensor:
@@ -289,6 +290,8 @@ def lookup_rows(weight, flat, status=None, padding_idx=-1, scale_grad_by_freq=Fa
     if needs_op(weight):
         if check is not None:
             status = check.status
+        if status is None and torch_records(weight, SUM, sparse, scale_grad_by_freq):
+            return torch.embedding(weight, flat, padding_idx, scale_grad_by_freq, sparse == COO)
         run = _embedding_op if tracing() else _eager_embedding
         return run(weight, flat, status, padding_idx, scale_grad_by_freq, sparse)
     return gather(weight, flat, status, check)

@@ -21,9 +21,9 @@ from torch import Tensor
 
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
-from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, MEAN, POOLINGS, SCALED, SQRTN, SUM, WEIGHT_SUMS,
-                              accumulation, backward_inputs, bag_norms_reference, divide, divide_reference, pool_bag,
-                              held_offsets, pool_norm, pooled_values, single_meta)
+from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCALED, SQRTN, SUM, TORCH_MODES,
+                              WEIGHT_SUMS, accumulation, backward_inputs, bag_norms_reference, divide, divide_reference,
+                              pool_bag, held_offsets, pool_norm, pooled_values, single_meta, torch_cpu)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -31,7 +31,7 @@ from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, ta
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, clamp_last_offset, guard, padding_index, row_major,
-                                  sparse_layout, validate_bags)
+                                  sparse_layout, torch_records, validate_bags)
 
 
 def _max_reference(rows, keep, bag, indices, B, D, acc_dtype, out_dtype):
@@ -241,13 +241,11 @@ def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_m
         status = check.status
     if status is not None:  # torch ops would fault on a bad id: a bad batch pools nothing
         indices, offsets = guard(indices, status, 0), guard(offsets, status, 0)
-    if mode in _TORCH_MODES and weight.dtype == accumulation(weight) and weight.device.type == "cpu":
+    if torch_cpu(weight, mode):
         return _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
-# torch's ATen mode numbers for the modes whose CPU pooling is embfuse's rule as well
-_TORCH_MODES = {SUM: 0, MEAN: 1, MAX: 2}
 
 
 def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx):
@@ -259,7 +257,7 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     offsets = held_offsets(offsets, indices.numel()).to(indices.dtype)
     # (_embedding_bag, not _embedding_bag_forward_only: the latter's meta kernel gives B + 1 bag
     # sizes where its CPU kernel gives B, and inductor's output check fails on that under compile)
-    out, _, size, max_ids = torch._embedding_bag(weight, indices, offsets, False, _TORCH_MODES[mode], False,
+    out, _, size, max_ids = torch._embedding_bag(weight, indices, offsets, False, TORCH_MODES[mode], False,
                                                  per_sample_weights, True, padding_idx)
     if mode != MAX:
         return out, indices.new_empty(0, dtype=torch.int64)
@@ -551,6 +549,10 @@ def lookup_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
         include_last_offset, padding_idx, bounds_check, name, fresh=grad, remap=remap, fold=not grad,
         open_end=direct)
     if grad:
+        if check is None and torch_records(weight, mode, sparse, scale_grad_by_freq):
+            offsets = held_offsets(offsets, indices.numel()).to(indices.dtype)
+            return torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, TORCH_MODES[mode], sparse == COO,
+                                       per_sample_weights, True, padding_idx if padding_idx >= 0 else None)[0]
         status = None if check is None else check.status
         run = _embedding_bag_op if tracing() else _eager_embedding_bag
         out, _ = run(weight, indices, offsets, per_sample_weights, status, mode, padding_idx, scale_grad_by_freq,

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from embfuse._triton import tracing, use_kernels
-from embfuse.ops.bags import bag_of_value
+from embfuse.ops.bags import bag_of_value, torch_cpu
 from embfuse._handles import join_names, split_names
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
                                   graph_check_op, prepare_log, run_check, status_copy,
@@ -57,6 +57,15 @@ def sparse_layout(sparse) -> int:
         return SPARSE_LAYOUTS[sparse]
     except (KeyError, TypeError):
         raise ValueError(f"sparse must be False, True, 'coo' or 'rowwise', got {sparse!r}") from None
+
+
+def torch_records(weight: torch.Tensor, mode: int, sparse: int, scale_grad_by_freq: bool) -> bool:
+    """Whether an eager call that autograd records runs torch's own lookup, forward and backward:
+    on the CPU where torch's kernels are embfuse's rules (bags.torch_cpu), for torch's gradient
+    layouts, without scale_grad_by_freq (where embfuse differs from torch on purpose: README). The
+    reference backward was 2-6x slower there (benchmarks/NOTES.md, session 31); it stays the test
+    oracle and the path of traced calls, of those options and of fp16 / bf16 tables."""
+    return torch_cpu(weight, mode) and sparse != ROWWISE and not scale_grad_by_freq and not tracing()
 
 
 def check_bounds_mode(bounds_check: str) -> None:
