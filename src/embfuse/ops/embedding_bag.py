@@ -246,8 +246,6 @@ def pool(weight, indices, offsets, per_sample_weights, mode, padding_idx, with_m
     return embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, padding_idx)
 
 
-
-
 def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx):
     """pool's CPU path over fp32 and fp64 tables (summed in the table's own dtype, as embfuse
     sums): torch's own CPU kernel, which gathers and pools in one pass where the reference
