@@ -23,7 +23,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
                               accumulation,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
-                              divide_reference, guard_bags, held_offsets, pool_bag, pool_norm)
+                              divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
 from embfuse.ops.segments import Layout, reduce_segments, segment_grad_reference, table_starts
@@ -319,7 +319,7 @@ def pool_collection(weights, values, offsets, psw, plan, B, status=None):
 
 
 def _pool_reference(weights, values, offsets, psw, meta, B, total_dim, max_dim, status):
-    if status is None and weights.device.type == "cpu" and weights.dtype == accumulation(weights) and not tracing():
+    if status is None and torch_cpu(weights) and not tracing():
         return collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim)
     if status is not None:
         values, offsets = guard_bags(values, offsets, status)
