@@ -41,14 +41,13 @@ class PieceUpdate:
             for i, ((group, width), rows) in enumerate(zip(self.tables, self._touched)):
                 n, d = self.pieces._shapes[i]
                 w = weights.data[starts[i]:starts[i + 1]].view(n, d)
-                g = grad[starts[i]:starts[i + 1]].view(n, d)[rows].float()
-                if hyper.weight_decay:  # (as the rules' decayed)
-                    g = g + hyper.weight_decay * w[rows].float()
+                w_rows = w[rows].float()
+                g = self.optimizer.decayed(grad[starts[i]:starts[i + 1]].view(n, d)[rows].float(), w_rows)
                 squares = (g * g).sum(1)
                 dist.all_reduce(squares, group=group)
                 state = self.state[rows_at[i]:rows_at[i + 1]]
                 s = state[rows] + squares / width
                 state[rows] = s
-                w[rows] = (w[rows].float() - hyper.lr * g / (s.sqrt() + hyper.eps)[:, None]).to(w.dtype)
+                w[rows] = (w_rows - hyper.lr * g / (s.sqrt() + hyper.eps)[:, None]).to(w.dtype)
         weights.grad = None
         self.steps += 1
