@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Issue 26's runs on one host of N GPUs, in one command (about 8 minutes at N = 2 on H200s):
-#   bash benchmarks/distributed/multi_gpu.sh N OUT [PART]
-# PART: "check" (every plan against the unsharded collection, a bad batch on one rank, a
-# checkpoint from every rank, TrainPipeline against the plain loop; then the step's phases),
-# "bench" (`embfuse bench --distributed` and the synthetic demo, on 1 GPU and on N; on N also
-# with the pooled rows sent in bf16, and with the overlap pass under torch.compile, its all-to-all
-# eager or functional), or both when left out. Writes OUT/log.txt, OUT/bench-1, OUT/bench-N,
-# OUT/bench-N-bf16, OUT/bench-N-compiled, OUT/demo-1, OUT/demo-N.
+# Issue 26's runs on one host of N GPUs (about 10 minutes at N = 2):
+#   bash benchmarks/distributed/multi_gpu.sh N OUT [PARTS]
+# PARTS, any of (comma-separated; all three when left out):
+#   check: every plan against the unsharded collection, a bad batch on one rank, a checkpoint
+#          from every rank, TrainPipeline against the plain loop; then the step's phases;
+#   bench: `embfuse bench --distributed` on 1 GPU and on N; on N with a profile of the plain and
+#          overlapped loops (OUT/bench-N/profile), with the pooled rows sent in bf16, and with the
+#          overlap pass under torch.compile, its all-to-all eager or functional;
+#   demo:  `embfuse demo` (MovieLens, when its data is installed) and the synthetic demo, on 1 GPU
+#          and on N.
+# Writes OUT/log.txt, OUT/bench-1, OUT/bench-N, OUT/bench-N-bf16, OUT/bench-N-compiled,
+# OUT/demo-movielens-{1,N}, OUT/demo-synthetic-{1,N}.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
 # of a copy without its git history.
 set -uo pipefail
 N=${1:?number of GPUs}
 OUT=${2:?output folder}
-PART=${3:-all}
+PARTS=${3:-check,bench,demo}
 mkdir -p "$OUT"
-export PYTHONPATH=src:. PYTHONUNBUFFERED=1
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
 WORLDS=$(printf '1\n%s\n' "$N" | sort -un)
 quiet() { grep -v -e "Warn" -e "warn" -e "^W[0-9]" -e '\*\*\*\*' -e "table_wise  " ; }
@@ -25,7 +29,8 @@ run() {  # title, seconds, command...
     shift
     timeout "$limit" "$@" 2>&1 | quiet | tee -a "$LOG" | tail -14
 }
-if [ "$PART" != bench ]; then
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if has check; then
     run "torchrun_compare, $N ranks" 300 torchrun --nproc_per_node="$N" --master_port 29601 \
         -m tests.distributed.torchrun_compare
     for w in $WORLDS; do
@@ -33,10 +38,11 @@ if [ "$PART" != bench ]; then
             benchmarks/distributed/phases.py
     done
 fi
-if [ "$PART" != check ]; then
+if has bench; then
     for w in $WORLDS; do
-        run "embfuse bench --distributed, $w rank(s)" 200 torchrun --nproc_per_node="$w" --master_port 29603 \
-            -m embfuse.cli bench --distributed --out "$OUT/bench-$w"
+        profile=$([ "$w" -gt 1 ] && echo --profile)
+        run "embfuse bench --distributed $profile, $w rank(s)" 200 torchrun --nproc_per_node="$w" --master_port 29603 \
+            -m embfuse.cli bench --distributed $profile --out "$OUT/bench-$w"
     done
     if [ "$N" -gt 1 ]; then
         run "embfuse bench --distributed --comm-dtype bf16, $N ranks" 200 torchrun --nproc_per_node="$N" \
@@ -44,9 +50,17 @@ if [ "$PART" != check ]; then
         run "embfuse bench --distributed --compiled, $N ranks" 400 torchrun --nproc_per_node="$N" \
             --master_port 29603 -m embfuse.cli bench --distributed --compiled --out "$OUT/bench-$N-compiled"
     fi
+fi
+if has demo; then
     for w in $WORLDS; do
+        if python3 -c "from embfuse.demo.data import movielens_dir; movielens_dir()" 2>/dev/null; then
+            run "embfuse demo (MovieLens), $w rank(s)" 150 torchrun --nproc_per_node="$w" --master_port 29604 \
+                -m embfuse.cli demo --out "$OUT/demo-movielens-$w"
+        else
+            echo "== embfuse demo (MovieLens): its data is not installed here" | tee -a "$LOG"
+        fi
         run "embfuse demo --data synthetic, $w rank(s)" 150 torchrun --nproc_per_node="$w" --master_port 29604 \
             -m embfuse.cli demo --data synthetic --samples 400000 --rows 200000 --epochs 2 --batch-size 4096 \
-            --out "$OUT/demo-$w"
+            --out "$OUT/demo-synthetic-$w"
     done
 fi

@@ -190,7 +190,8 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
     from embfuse.bench.distributed import measure, write
 
     result = measure(args.batch_size, args.rows, args.dim, args.hotness, args.steps, args.warmup, args.device,
-                     comm_dtype=args.comm_dtype, compiled=args.compiled)
+                     comm_dtype=args.comm_dtype, compiled=args.compiled,
+                     profile=Path(args.out) / "profile" if args.profile else None)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0
     t = Table(title=f"sharded step: {result['world_size']} rank(s), {result['backend']}, batch {args.batch_size} a "
@@ -220,6 +221,19 @@ def bench_distributed(args: argparse.Namespace, console) -> int:
         compiled.add_row(*(f"{r0[k]:.0f}" for k in ("compiled_overlap_us", "compiled_functional_us",
                                                      "compiled_functional_reordered_us")))
         console.print(compiled)
+    if args.profile:
+        prof = Table(title=f"one more run of {args.steps} steps under torch.profiler, GPU kernels' time (us); "
+                           f"traces in {Path(args.out) / 'profile'}")
+        for c in ("rank", "loop", "kernels", "collectives", "other kernels", "collectives beside others",
+                  "GPU busy", "span"):
+            prof.add_column(c, justify="right")
+        for r in result["ranks"]:
+            for name, p in r["profile"].items():
+                prof.add_row(str(r["rank"]), name.removesuffix("_device_us"), str(p["kernels"]), f"{p['comm_us']:.0f}",
+                             f"{p['compute_us']:.0f}",
+                             f"{p['comm_beside_compute_us']:.0f} ({100 * p['hidden_share']:.0f}%)",
+                             f"{p['gpu_busy_us']:.0f}", f"{p['span_us']:.0f}")
+        console.print(prof)
     plain = result["ranks"][0]["unsharded_step_us"]
     if plain is not None:
         console.print(f"the same step unsharded (world of one): {plain:.0f} us")
@@ -277,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                    "torch.compile (stages eager, functional all-to-all, and that with Inductor's reordering)")
     p.add_argument("--comm-dtype", choices=("table", "bf16", "fp16"), default="table",
                    help="--distributed: the dtype pooled rows cross ranks in (default: the tables')")
+    p.add_argument("--profile", action="store_true", help="--distributed: also profile the plain and overlapped "
+                   "loops on every rank; Chrome traces in OUT/profile, a summary of the collectives' overlap")
     p.add_argument("--steps", type=int, default=20, help="--distributed: timed steps")
     p.add_argument("--warmup", type=int, default=5, help="--distributed: untimed steps first")
     p.set_defaults(func=bench)

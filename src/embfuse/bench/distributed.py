@@ -48,10 +48,12 @@ COMM_DTYPES = {"table": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: int, device: str = "auto",
-            plan=None, comm_dtype: str = "table", compiled: bool = False) -> dict:
+            plan=None, comm_dtype: str = "table", compiled: bool = False, profile: Path | None = None) -> dict:
     """Time the sharded step on every rank; returns every rank's figures (on every rank).
     `comm_dtype`: a COMM_DTYPES key, the dtype the pooled rows cross ranks in (shard's).
-    `compiled`: also the overlap pass under torch.compile, three ways (_loops)."""
+    `compiled`: also the overlap pass under torch.compile, three ways (_loops).
+    `profile`: a folder; each rank also profiles the plain loop and the overlap pass's loop
+    (PROFILED), writes their traces there and reports overlap_summary of each."""
     dev, made = _init(device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,7 +73,11 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
             plain = statistics.median(_time_steps(ebc, batches, steps, warmup, dev)[0])
         del ebc
         model.comm_timer = None
-        loops = _loops(model, batches, steps, warmup, dev, compiled)
+        runs = _runs(model, batches, steps, dev, compiled)
+        loops = _loops(runs, steps, dev)
+        if profile is not None:
+            loops["profile"] = {name: _profile(runs[name], dev, profile / f"{name}-rank{rank}.json")
+                                for name in PROFILED}
         step = statistics.median(times)
         mine = {"rank": rank, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "step_us": step * 1e6, "examples_per_s": batch / step, "comm_share": statistics.median(comm) / step,
@@ -135,11 +141,10 @@ class _Model(torch.nn.Module):
         return pooled.sum() + dense.sum()
 
 
-def _loops(model, batches, steps, warmup, dev, compiled: bool = False) -> dict:
-    """Throughput of five training loops over `steps` steps (one sync at the end, all ranks
-    started together), us a step, the median of ROUNDS rounds in which the loops alternate: the
-    ideal with the exchanges removed (each rank's own lookups of batches exchanged beforehand,
-    and the MLP); the plain loop on batches already on the device; the same through embfuse.fx.overlap_collectives
+def _runs(model, batches, steps, dev, compiled: bool = False) -> dict:
+    """Five training loops of `steps` steps each, as closures by name: the ideal with the
+    exchanges removed (each rank's own lookups of batches exchanged beforehand, and the MLP); the
+    plain loop on batches already on the device; the same through embfuse.fx.overlap_collectives
     (requests early, waits late: the bottom MLP runs while the collectives are in flight); the
     plain loop on batches from pinned host memory (a copy each step); TrainPipeline on the same
     host batches (the next batches' copy and exchange beside this one's compute). `compiled`:
@@ -196,6 +201,12 @@ def _loops(model, batches, steps, warmup, dev, compiled: bool = False) -> dict:
                 with inductor.patch(options):
                     plain(fn, device_batches, lambda b: b)
             runs[name] = run
+    return runs
+
+
+def _loops(runs: dict, steps: int, dev) -> dict:
+    """Each loop's us a step (`runs`: _runs's loops of `steps` steps), the median of ROUNDS rounds
+    in which the loops alternate (one sync at the end of each, all ranks started together)."""
     times = {name: [] for name in runs}
     for rnd in range(1 + ROUNDS):  # the loops alternate, round after round: drift hits each alike
         for name, run in runs.items():
@@ -205,6 +216,59 @@ def _loops(model, batches, steps, warmup, dev, compiled: bool = False) -> dict:
     out = {name: statistics.median(t) for name, t in times.items()}
     out["rounds_us"] = times
     return out
+
+
+PROFILED = ("plain_device_us", "overlap_pass_device_us")  # the loops --profile traces
+
+
+def _profile(run, dev, path: Path) -> dict:
+    """One more run of the loop `run` under torch.profiler: its Chrome trace written to `path`
+    and overlap_summary of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        _wall(run, dev)
+    prof.export_chrome_trace(str(path))
+    return overlap_summary(json.loads(path.read_text())["traceEvents"])
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering `spans`."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _length(spans) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def overlap_summary(events: list[dict]) -> dict:
+    """What a profile's GPU kernels did (Chrome-trace events, microseconds): the time some
+    communication kernel (NCCL's) ran, the time some other kernel ran, and how much of the first
+    had another kernel running beside it (`hidden_share`: that over the communication time). An
+    NCCL kernel's time includes its wait for the peer, so this is the collectives' time on the
+    GPU, not the wire's. No kernels (gloo on CPUs): all zero."""
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    both, i, j = 0.0, 0, 0
+    while i < len(comm) and j < len(compute):  # two sorted disjoint lists: their intersection's length
+        both += max(0.0, min(comm[i][1], compute[j][1]) - max(comm[i][0], compute[j][0]))
+        if comm[i][1] < compute[j][1]:
+            i += 1
+        else:
+            j += 1
+    every = _union(comm + compute)
+    return {"kernels": len(kernels), "comm_us": _length(comm), "compute_us": _length(compute),
+            "comm_beside_compute_us": both, "hidden_share": both / _length(comm) if comm else 0.0,
+            "gpu_busy_us": _length(every), "span_us": every[-1][1] - every[0][0] if every else 0.0}
 
 
 def write(result: dict, out: Path) -> Path:
