@@ -31,6 +31,6 @@ for mb in sizes_mb:
     us = statistics.median(times)
     leaving = n * 4 * (world - 1) / world
     if rank == 0:
-        print(f"world {world}: {n * 4 / 1e6:.0f} MB a rank: {us:.0f} us, {leaving / us / 1e3:.0f} GB/s leaving each rank",
-              flush=True)
+        print(f"world {world}: {n * 4 / 1e6:.0f} MB a rank: {us:.0f} us, "
+              f"{leaving / us / 1e3:.0f} GB/s leaving each rank", flush=True)
 dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""The peer of `embfuse bench --distributed`: TorchRec's DistributedModelParallel over FBGEMM's
+TBE, the same 26 Criteo-like tables x 128, the same power-law batches (B16384 a rank: weak
+scaling), row-wise Adagrad fused into the backward (apply_optimizer_in_backward), TorchRec's
+default planner. Each step: forward, sum, backward (the fused update), synchronised with every
+rank started together, median of STEPS after WARMUP.
+`PYTHONPATH=src:FBGEMM:TORCHREC torchrun --nproc_per_node=N benchmarks/distributed/torchrec_dmp.py`
+(NOTES, session 32: how the wheels were carried)."""
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torchrec
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.workloads import Workload
+
+STEPS, WARMUP = 20, 5
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+dev = torch.device("cuda", torch.cuda.current_device())
+B = int(os.environ.get("BATCH", 16384))
+w = Workload("criteo-sharded", "collection-train-rowwise", 1_000_000, 128, B, 20, "powerlaw", 1.05, "csr", tables=26)
+torch.manual_seed(0)
+ebc = torchrec.EmbeddingBagCollection(
+    tables=[torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=128, num_embeddings=r, feature_names=[f"f{i}"])
+            for i, r in enumerate(table_rows(w))], device=torch.device("meta"))
+apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.01})
+model = DistributedModelParallel(ebc, device=dev)
+if rank == 0:
+    print(model.plan, flush=True)
+
+
+def batch(i):
+    k = make_batch(w, dev, seed=1000 * rank + i)
+    return torchrec.KeyedJaggedTensor(keys=k.keys(), values=k.values().long(), lengths=k.lengths().long())
+
+
+batches = [batch(i) for i in range(4)]
+times = []
+for i in range(WARMUP + STEPS):
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    model(batches[i % 4]).values().sum().backward()
+    torch.cuda.synchronize()
+    if i >= WARMUP:
+        times.append(time.perf_counter() - start)
+step = statistics.median(times)
+every = [None] * world
+dist.all_gather_object(every, step)
+if rank == 0:
+    print(f"TorchRec {torchrec.__version__} DMP, world {world}, B{B} a rank: step (us) by rank "
+          f"{[round(s * 1e6) for s in every]}, examples/s all ranks {sum(B / s for s in every):,.0f}", flush=True)
+dist.destroy_process_group()
