@@ -12,13 +12,27 @@ import time
 
 import torch
 import torch.distributed as dist
-import torchrec
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from embfuse.bench.collection import make_batch, table_rows
-from embfuse.bench.workloads import Workload
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+
+
+def _has_kernel_or_no_op(op, key):
+    """The trimmed FBGEMM (shared/peers/fbgemm_for_device.sh) leaves out the inference library,
+    whose ops `import torchrec` registers fake kernels for; an op that does not exist is skipped."""
+    try:
+        return _has_kernel(op, key)
+    except RuntimeError:
+        return True
+
+
+torch._C._dispatch_has_kernel_for_dispatch_key = _has_kernel_or_no_op
+import torchrec  # noqa: E402
+from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: E402
+
+from embfuse.bench.collection import make_batch, table_rows  # noqa: E402
+from embfuse.bench.workloads import Workload  # noqa: E402
 
 STEPS, WARMUP = 20, 5
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
