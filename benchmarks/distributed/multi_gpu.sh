@@ -13,6 +13,9 @@
 # OUT/demo-movielens-{1,N}, OUT/demo-synthetic-{1,N}.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
 # of a copy without its git history.
+# Beside it, on the same machine: torchrec_dmp.py (TorchRec's DMP over FBGEMM on the bench's
+# workload; its wheels carried as NOTES session 32 says) and a2a_bandwidth.py (NCCL's all-to-all
+# alone, the floor under the step's exchanges).
 set -uo pipefail
 N=${1:?number of GPUs}
 OUT=${2:?output folder}
