@@ -258,17 +258,12 @@ def overlap_summary(events: list[dict]) -> dict:
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
     compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
-    both, i, j = 0.0, 0, 0
-    while i < len(comm) and j < len(compute):  # two sorted disjoint lists: their intersection's length
-        both += max(0.0, min(comm[i][1], compute[j][1]) - max(comm[i][0], compute[j][0]))
-        if comm[i][1] < compute[j][1]:
-            i += 1
-        else:
-            j += 1
     every = _union(comm + compute)
-    return {"kernels": len(kernels), "comm_us": _length(comm), "compute_us": _length(compute),
-            "comm_beside_compute_us": both, "hidden_share": both / _length(comm) if comm else 0.0,
-            "gpu_busy_us": _length(every), "span_us": every[-1][1] - every[0][0] if every else 0.0}
+    comm_us, compute_us, busy = _length(comm), _length(compute), _length(every)
+    both = comm_us + compute_us - busy  # |A and B| = |A| + |B| - |A or B|
+    return {"kernels": len(kernels), "comm_us": comm_us, "compute_us": compute_us,
+            "comm_beside_compute_us": both, "hidden_share": both / comm_us if comm else 0.0,
+            "gpu_busy_us": busy, "span_us": every[-1][1] - every[0][0] if every else 0.0}
 
 
 def write(result: dict, out: Path) -> Path:
