@@ -1,14 +1,14 @@
 """The peer of `embfuse bench --distributed`: TorchRec's DistributedModelParallel over FBGEMM's
 TBE, the same 26 Criteo-like tables x 128, the same power-law batches (B16384 a rank: weak
 scaling), row-wise Adagrad fused into the backward (apply_optimizer_in_backward), TorchRec's
-default planner. Each step: forward, sum, backward (the fused update), synchronised with every
-rank started together, median of STEPS after WARMUP.
+default planner. Each step timed as `embfuse bench --distributed` times its own (time_steps:
+forward, sum, backward with the fused update, synchronised, every rank started together),
+median of STEPS after WARMUP.
 `PYTHONPATH=src:FBGEMM:TORCHREC torchrun --nproc_per_node=N benchmarks/distributed/torchrec_dmp.py`
 (NOTES, session 32: how the wheels were carried)."""
 
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad  # noqa: E402
 
 from embfuse.bench.collection import make_batch, table_rows  # noqa: E402
+from embfuse.bench.distributed import time_steps  # noqa: E402
 from embfuse.bench.workloads import Workload  # noqa: E402
 
 STEPS, WARMUP = 20, 5
@@ -57,16 +58,7 @@ def batch(i):
 
 
 batches = [batch(i) for i in range(4)]
-times = []
-for i in range(WARMUP + STEPS):
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    model(batches[i % 4]).values().sum().backward()
-    torch.cuda.synchronize()
-    if i >= WARMUP:
-        times.append(time.perf_counter() - start)
-step = statistics.median(times)
+step = statistics.median(time_steps(model, batches, STEPS, WARMUP, dev)[0])
 every = [None] * world
 dist.all_gather_object(every, step)
 if rank == 0:

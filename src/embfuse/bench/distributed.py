@@ -67,10 +67,10 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
         batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
         timer = ed.CommTimer()
         model.comm_timer = timer
-        times, comm = _time_steps(model, batches, steps, warmup, dev, timer)
+        times, comm = time_steps(model, batches, steps, warmup, dev, timer)
         plain = None
         if world == 1:  # the sharding layer's own cost: the same step unsharded, in the same run
-            plain = statistics.median(_time_steps(ebc, batches, steps, warmup, dev)[0])
+            plain = statistics.median(time_steps(ebc, batches, steps, warmup, dev)[0])
         del ebc
         model.comm_timer = None
         runs = _runs(model, batches, steps, dev, compiled)
@@ -108,7 +108,7 @@ def _wall(run, dev) -> float:
     return time.perf_counter() - start
 
 
-def _time_steps(model, batches, steps, warmup, dev, timer=None):
+def time_steps(model, batches, steps, warmup, dev, timer=None):
     """Each step's wall time (forward, backward, fused update; synchronised, all ranks started
     together) and the time its collectives took."""
     times, comm = [], []
