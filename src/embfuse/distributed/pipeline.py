@@ -10,7 +10,8 @@ Each step, in host order:
    left in the forward), backward (the fused sparse updates) and `optimizer.step()`;
 3. after the backward was launched: batch i+2's copy, then batch i+1's input exchange (whose one
    host read now waits only for the distribution stream and the collectives before it, while the
-   GPU still runs batch i's backward).
+   GPU still runs batch i's backward). The distribution stream has the higher priority, so its
+   few short kernels run beside the backward's instead of after them.
 The results are those of the plain loop (`model(batch)`, backward, step) batch for batch: the
 exchange of ids does not read the tables, and every update happens in the plain loop's order.
 """
@@ -74,7 +75,10 @@ class TrainPipeline:
         self.sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
         cuda = self.device.type == "cuda"
         self._copy = torch.cuda.Stream(self.device) if cuda else None
-        self._dist = torch.cuda.Stream(self.device) if cuda else None
+        # above the default stream's priority: the exchange's one host read waits for this stream's
+        # routing kernels, which at the default priority queue behind the backward's long kernels
+        # while the host, blocked, cannot launch the next forward (benchmarks/NOTES.md, session 33)
+        self._dist = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self._queue: deque = deque()  # batches on the device: [batch, exchange started, copy done event]
         self._done = False
         self._source = None
