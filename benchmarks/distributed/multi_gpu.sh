@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Issue 26's runs on one host of N GPUs (about 10 minutes at N = 2):
 #   bash benchmarks/distributed/multi_gpu.sh N OUT [PARTS]
-# PARTS, any of (comma-separated; all three when left out):
+# PARTS, any of (comma-separated; check, bench and demo when left out):
 #   check: every plan against the unsharded collection, a bad batch on one rank, a checkpoint
 #          from every rank, TrainPipeline against the plain loop; then the step's phases;
 #   bench: `embfuse bench --distributed` on 1 GPU and on N; on N with a profile of the plain and
 #          overlapped loops (OUT/bench-N/profile), with the pooled rows sent in bf16, and with the
 #          overlap pass under torch.compile, its all-to-all eager or functional;
 #   demo:  `embfuse demo` (MovieLens, when its data is installed) and the synthetic demo, on 1 GPU
-#          and on N.
+#          and on N;
+#   peers (not in the default): torchrec_dmp.py (TorchRec's DMP over FBGEMM on the bench's
+#          workload) on N GPUs and on 1, when torchrec and fbgemm_gpu are installed (their wheels
+#          and the trimmed FBGEMM on PYTHONPATH: NOTES, session 32), and a2a_bandwidth.py on N.
 # Writes OUT/log.txt, OUT/bench-1, OUT/bench-N, OUT/bench-N-bf16, OUT/bench-N-compiled,
 # OUT/demo-movielens-{1,N}, OUT/demo-synthetic-{1,N}.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
 # of a copy without its git history.
-# Beside it, on the same machine: torchrec_dmp.py (TorchRec's DMP over FBGEMM on the bench's
-# workload; its wheels carried as NOTES session 32 says) and a2a_bandwidth.py (NCCL's all-to-all
-# alone, the floor under the step's exchanges).
 set -uo pipefail
 N=${1:?number of GPUs}
 OUT=${2:?output folder}
@@ -66,4 +66,18 @@ if has demo; then
             -m embfuse.cli demo --data synthetic --samples 400000 --rows 200000 --epochs 2 --batch-size 4096 \
             --out "$OUT/demo-synthetic-$w"
     done
+fi
+if has peers; then
+    # (found, not imported: `import torchrec` needs torchrec_dmp.py's care with a trimmed FBGEMM)
+    if python3 -c "import importlib.util as u; assert u.find_spec('torchrec') and u.find_spec('fbgemm_gpu')" \
+        2>/dev/null; then
+        for w in $(printf '%s\n1\n' "$N" | uniq); do
+            run "TorchRec DMP, $w rank(s)" 200 torchrun --nproc_per_node="$w" --master_port 29605 \
+                benchmarks/distributed/torchrec_dmp.py
+        done
+    else
+        echo "== TorchRec DMP: torchrec or fbgemm_gpu is not installed here" | tee -a "$LOG"
+    fi
+    run "NCCL all-to-all alone, $N ranks" 100 torchrun --nproc_per_node="$N" --master_port 29606 \
+        benchmarks/distributed/a2a_bandwidth.py
 fi
