@@ -72,8 +72,11 @@ if has peers; then
     if python3 -c "import importlib.util as u; assert u.find_spec('torchrec') and u.find_spec('fbgemm_gpu')" \
         2>/dev/null; then
         for w in $(printf '%s\n1\n' "$N" | uniq); do
-            run "TorchRec DMP, $w rank(s)" 200 torchrun --nproc_per_node="$w" --master_port 29605 \
-                benchmarks/distributed/torchrec_dmp.py
+            # (FBGEMM's import warnings and TorchRec's plan go to the log unfiltered: the result line is shown)
+            echo "== TorchRec DMP, $w rank(s)" | tee -a "$LOG"
+            timeout 200 torchrun --nproc_per_node="$w" --master_port 29605 benchmarks/distributed/torchrec_dmp.py \
+                >> "$LOG" 2>&1
+            grep -e "^TorchRec .* DMP, world $w" "$LOG" | tail -1
         done
     else
         echo "== TorchRec DMP: torchrec or fbgemm_gpu is not installed here" | tee -a "$LOG"
