@@ -2,8 +2,9 @@
 power-law ids, bags of 1-99, fused SGD), checked by default and `off`, by piece: each piece's
 inclusive host time a step from wrappers around the module's forward, the check, the device
 log, the lookup, the update (the fused backward), the backward inputs, the sort with its
-Segments and the reduction's launches; three runs of 200 steps back to back. Then the host time
-of a tiny autograd backward (what any step pays to enter the engine).
+Segments and the reduction's launches; three runs of 200 steps back to back, the two modes
+alternating. Then the host time of a tiny autograd backward (what any step pays to enter the
+engine).
 
     PYTHONPATH=src python3 benchmarks/host/step_pieces.py
 """
@@ -52,16 +53,15 @@ timed(ol._CollectionCall, "update", "update (backward)")
 timed(of, "backward_inputs", "backward_inputs")
 timed(sg.Segments, "__init__", "Segments() with the sort")
 timed(sg.Segments, "launch", "Segments.launch (levels)")
+steps = {}
 for mode in ("deferred", "off"):
     ebc = make_collection(w, "cuda", embfuse.optim.SGD(lr=0.01), bounds_check=mode)
-
-    def step():
-        ebc(kjt).values().backward(grad)
-
+    steps[mode] = lambda ebc=ebc: ebc(kjt).values().backward(grad)
     for _ in range(30):
-        step()
-    torch.cuda.synchronize()
-    for run in range(3):
+        steps[mode]()
+torch.cuda.synchronize()
+for run in range(3):  # the modes alternate, run after run: the machine's drift hits both alike
+    for mode, step in steps.items():
         spent.clear()
         t0 = time.perf_counter()
         for _ in range(200):
