@@ -49,6 +49,8 @@ def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced"
         losses.append(loss.detach())
     opt2 = torch.optim.Adam(dense(piped), lr=0.01)
     pipe = ed.TrainPipeline(piped, opt2, device)
+    if torch.device(device).type == "cuda":  # the exchange's stream ahead of the backward's (NOTES, session 33)
+        assert pipe._dist.priority < torch.cuda.current_stream().priority
     calls = []
     exchange = piped.sparse.input_dist
     piped.sparse.input_dist = lambda kjt: calls.append(kjt) or exchange(kjt)
