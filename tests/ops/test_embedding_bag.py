@@ -10,6 +10,7 @@ from embfuse.ops.embedding_bag import (
     embedding_bag_backward, embedding_bag_backward_reference, embedding_bag_forward, embedding_bag_reference,
     table_backward_inputs,
 )
+from embfuse.ops import tuning
 from embfuse.ops.validate import validate_bags
 
 eb = sys.modules["embfuse.ops.embedding_bag"]  # (the module: embfuse.ops.embedding_bag is also a function)
@@ -215,6 +216,39 @@ def test_functional_matches_torch(device, mode, form, padding_idx):
     ref.backward(g)
     out.backward(g)
     assert_close(w_e.grad, w_t.grad, torch.float32, reduction=x.numel())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode,weighted", [("sum", True), ("mean", False), ("max", False)])
+@pytest.mark.parametrize("form", ["2d", "starts", "last"])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_ids_narrowed_by_the_check_pool_as_given(device, mode, weighted, form, max_norm, monkeypatch):
+    """A large batch's int64 ids reach a lookup without gradient as the int32 its check wrote
+    (tuning.narrows; here every batch): bitwise the output of the ids as given ("off"); a bad
+    batch still pools nothing, changes nothing and raises its error."""
+    monkeypatch.setattr(tuning, "NARROW_IDS", -1)
+    monkeypatch.setattr(tuning, "NARROW_DIM", 0)
+    w, _ = _torch_and_ours(device)
+    w = w.detach()
+    if form == "2d":
+        x, offsets = torch.randint(0, w.shape[0], (6, 4), device=device), None
+    else:
+        x, offsets = random_bags(8, 6, w.shape[0], device)
+        offsets = offsets[:-1] if form == "starts" else offsets
+    psw = torch.rand(x.shape, device=device) + 0.5 if weighted else None
+    kw = dict(mode=mode, per_sample_weights=psw, max_norm=max_norm, include_last_offset=form == "last")
+    with torch.no_grad():
+        want, got = (embfuse.embedding_bag(x, w.clone(), offsets, bounds_check=b, **kw) for b in ("off", "deferred"))
+        embfuse.check_errors()
+        assert torch.equal(got, want)
+        bad = x.clone()
+        bad.view(-1)[5] = w.shape[0]
+        before = w.clone()
+        with pytest.raises(IndexError, match=f"\\[.*\\] = {w.shape[0]} is out of range"):
+            out = embfuse.embedding_bag(bad, w, offsets, **kw)
+            assert torch.equal(out, torch.zeros_like(out))
+            embfuse.check_errors()
+        assert torch.equal(w, before)
 
 
 def _pool_via_embedding(x, w, offsets, mode, freq):

@@ -135,12 +135,14 @@ def test_check_reads_ids_and_offsets_in_every_block(fault, message):
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     clamp_last=st.booleans(),
     block=st.sampled_from([4, tuning.IDS_CHECK_BLOCK]),
+    narrow=st.booleans(),
 )
-def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last, block):
+def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last, block, narrow):
     """The check kernel's deferred flags and the torch-op check agree on any input, and the
     deferred error is the one the torch-op check raises at once; with `clamp_last` the last
     offset reads as at least the id count (include_last_offset's offsets as given). A block of
-    4 ids spreads ids and offsets over several programs."""
+    4 ids spreads ids and offsets over several programs. With `narrow` the check also writes int64
+    ids as the int32 ids the lookup reads."""
     ids_t = torch.tensor(ids, dtype=index_dtype, device=KERNEL_DEVICE)
     off_t = torch.tensor(cuts, dtype=index_dtype, device=KERNEL_DEVICE)
     expected = _ids_flags_reference(ids_t, off_t, N, clamp_last)
@@ -149,9 +151,12 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last,
     bad_off = ends[0] != 0 or ends[-1] > len(ids) or any(b < a for a, b in zip(ends, ends[1:]))
     assert expected == BAD_ID * bad_ids + BAD_OFFSETS * bad_off
     with unittest.mock.patch.object(tuning, "IDS_CHECK_BLOCK", block):
-        *_, check = validate_bags(ids_t, off_t, N, kernel=True, fresh=True, clamp_last=clamp_last)
+        read, *_, check = validate_bags(ids_t, off_t, N, kernel=True, fresh=True, clamp_last=clamp_last,
+                                        narrow=narrow)
     assert int(check.status[0]) == expected
+    assert read.dtype == (torch.int32 if narrow else index_dtype)
     if not expected:
+        assert torch.equal(read.long(), ids_t.long())
         check_errors()
         assert check.bad is False
         return

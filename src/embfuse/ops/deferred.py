@@ -84,14 +84,16 @@ def wait_for_check(status, programs):
 @triton.jit
 def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot,
                       seq, out, info, words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr,
-                      CLAMP_LAST: tl.constexpr = False):
+                      CLAMP_LAST: tl.constexpr = False, HOT: tl.constexpr = True):
     """Program `pid` of `programs` of the check of one table's ids: positions pid * BLOCK on.
     Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
     CLAMP_LAST: the last offset reads as at least n (torch's include_last_offset rule: the last
     bag runs to the end of the ids whatever it says; past the end is still an error).
-    REMAP: also write each id as the lookup should read it, hot rows from their resident copy
-    (ops/residency.py), into `out`; without CHECK that is all (a batch not checked). Program 0
-    also clears `status_next`, the status of the next call (see DeviceLog)."""
+    REMAP: also write each id as the lookup should read it into `out`: with HOT, hot rows from
+    their resident copy (ops/residency.py); without, the id itself in out's (narrower) dtype, a
+    bad lane's wrapped, never read: the lookup reads status first. Without CHECK that is all (a
+    batch not checked). Program 0 also clears `status_next`, the status of the next call (see
+    DeviceLog)."""
     # lanes count in int32 from the block's int64 start (fewer registers, as the keyed check's:
     # benchmarks/NOTES.md, session 16), and only blocks that hold offsets read them
     start = pid.to(tl.int64) * BLOCK
@@ -99,8 +101,10 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
     in_ids = lanes < tl.maximum(tl.minimum(n - start, BLOCK), 0).to(tl.int32)
     ids = tl.load(indices + start + lanes, mask=in_ids, other=0)
     if REMAP:
-        ok = in_ids & (ids >= 0) & (ids < num_embeddings)
-        new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
+        new = ids
+        if HOT:
+            ok = in_ids & (ids >= 0) & (ids < num_embeddings)
+            new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
         tl.store(out + start + lanes, new.to(out.dtype.element_ty), mask=in_ids)
     if CHECK:
         flags = tl.max((in_ids & ((ids < 0) | (ids >= num_embeddings))).to(tl.int32)) * K_BAD_ID
@@ -122,10 +126,11 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
 
 @triton.jit(do_not_specialize=["slot", "seq"])
 def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
-                      words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr, CLAMP_LAST: tl.constexpr):
+                      words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr, CLAMP_LAST: tl.constexpr,
+                      HOT: tl.constexpr):
     """check_ids_program, a program a block."""
     check_ids_program(tl.program_id(0), tl.num_programs(0), indices, n, offsets, n_offsets, num_embeddings, status,
-                      status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP, CLAMP_LAST)
+                      status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP, CLAMP_LAST, HOT)
 
 
 @triton.jit
@@ -492,15 +497,16 @@ def _check_args(log, check) -> tuple:
 
 
 def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None, out=None, clamp_last=False):
-    """The check of one table's ids (and offsets); with a `resident` (ops/residency.py) it also
-    writes the ids to read into `out`; with `check` None it only does that. `clamp_last`:
-    check_ids_program's CLAMP_LAST."""
+    """The check of one table's ids (and offsets); with an `out` it also writes the ids to read
+    into it: hot rows from their copy with a `resident` (ops/residency.py), else the ids narrowed
+    to out's dtype; with `check` None it only does that. `clamp_last`: check_ids_program's
+    CLAMP_LAST."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.IDS_CHECK_BLOCK
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices, n_off, num_embeddings, *_check_args(log, check),
         out, None if resident is None else resident.info, None if resident is None else resident.words,
-        BLOCK=block, CHECK=check is not None, REMAP=resident is not None, CLAMP_LAST=clamp_last,
+        BLOCK=block, CHECK=check is not None, REMAP=out is not None, CLAMP_LAST=clamp_last, HOT=resident is not None,
         num_warps=tuning.IDS_CHECK_WARPS)
 
 

@@ -490,7 +490,8 @@ def prepare_bags(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq
         bounds_check = "sync"  # the renorm below writes rows named by the ids: they must be known good first
     indices, offsets, per_sample_weights, check = validate_bags(
         indices, offsets, num_embeddings, per_sample_weights, shape=shape, name=name, bounds_check=bounds_check,
-        given_offsets=given, fresh=fresh, remap=remap, fold=fold, clamp_last=open_end == "last")
+        given_offsets=given, fresh=fresh, remap=remap, fold=fold, clamp_last=open_end == "last",
+        narrow=fold and tuning.narrows(weight.shape[1], indices.numel()))
     if max_norm is not None:
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)  # as torch: the detached weight

@@ -70,6 +70,20 @@ IDS_CHECK_WARPS = 4
 # FOLD_BLOCK ids (all its loads at once: four steps of 256 cost 4.5 us more GPU time than the
 # check's own launch)
 FOLD_IDS = 1 << 19
+# a lookup that may fold its check (no autograd gradient: a forward, or a fused update's) of more
+# than NARROW_IDS int64 ids into rows of at least NARROW_DIM elements reads them as the int32 its
+# check also writes: pooling one or two rows a step, it gains 2-8.5% from int32 ids, more than the
+# check's extra write (16.8 MB at B65536 L64: about 6 us); four or eight rows a step gain less.
+# Smaller batches' host time hides nothing: the copy adds about 12 us of it a call (cause not
+# found), and D128 B16384's wall went from 119 to 137 us (H100, NOTES: session 34)
+NARROW_IDS = 1 << 21
+NARROW_DIM = 128
+
+
+def narrows(D: int, ids: int) -> bool:
+    return ids > NARROW_IDS and D >= NARROW_DIM
+
+
 # the gather's (embedding) limit is lower: its 4-warp programs spin on the check's count and slow
 # it down (65536 ids: 20.8 us of GPU time against 10.3 in two launches; 8192: 3.2 against 4.3)
 FOLD_GATHER_IDS = 1 << 14

@@ -44,6 +44,7 @@ from embfuse.ops import tuning
 BOUNDS_CHECK_MODES = ("deferred", "sync", "skip", "off")
 DEFAULT_BOUNDS_CHECK = "deferred"
 INDEX_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = torch.iinfo(torch.int32).max
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 DENSE, COO, ROWWISE = 0, 1, 2  # gradient layouts: dense, torch's COO, one entry per row
@@ -292,7 +293,7 @@ def _(indices, offsets, num_embeddings, shape, name, given, bounds_check):
 
 def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, shape=None, name="input",
                   bounds_check=DEFAULT_BOUNDS_CHECK, given_offsets=None, fresh=True, kernel=None, remap=None,
-                  fold=False, clamp_last=False):
+                  fold=False, clamp_last=False, narrow=False):
     """Check a canonical single-table bag batch (1-D ids, B+1 offsets; or torch's B bag starts,
     or with `clamp_last` B+1 offsets whose last reads as at least the id count: clamp_last_offset).
 
@@ -302,7 +303,8 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
     `remap` (a GPU lookup's ops/residency.py Resident): the ids returned are those to read, hot
     rows from their resident copy, written by the same pass. `fold`: the caller's lookup can run
     the check in its own launch (embedding_bag_forward `check`): a small deferred batch's check
-    is then left pending (ops/deferred.py take_fold).
+    is then left pending (ops/deferred.py take_fold). `narrow` (the caller's lookup reads int32
+    ids faster: tuning.narrows): int64 ids come back as the int32 the check wrote.
     """
     out = _remap_out(indices, remap)
     if bounds_check == "off":
@@ -315,6 +317,8 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         status = _check_ids_op(indices, ends, num_embeddings, list(shape), name,
                                -1 if given_offsets is None else given_offsets, traced_mode(bounds_check))
         return indices, offsets, per_sample_weights, TracedCheck(status)
+    if narrow and remap is None:
+        out = _narrow_out(indices, num_embeddings, kernel)
     check, keep = _validate(
         indices, bounds_check, fresh, kernel, "embedding_bag",
         lambda log, c: launch_ids_check(log, c, indices, offsets, num_embeddings, remap, out, clamp_last),
@@ -323,10 +327,11 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
                           bounds_check == "skip", clamp_last),
         lambda: (indices >= 0) & (indices < num_embeddings),
         lambda: _bad_id_message(indices, shape, num_embeddings, name),
-        fold and remap is None and indices.numel() <= tuning.FOLD_IDS)
+        fold and out is None and indices.numel() <= tuning.FOLD_IDS)
     if keep is None:
-        indices = _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel)
-        return indices, offsets, per_sample_weights, check
+        if remap is not None:
+            out = _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel)
+        return indices if out is None else out, offsets, per_sample_weights, check
     indices, offsets, per_sample_weights, _ = skip_ids(indices, offsets, per_sample_weights, keep)
     return remap_ids(indices, None, None, 1, remap, num_embeddings), offsets, per_sample_weights, None
 
@@ -402,6 +407,15 @@ def _remap_out(values, remap):
     if remap is None:
         return None
     return torch.empty(values.shape, dtype=torch.int32 if remap.int32 else torch.int64, device=values.device)
+
+
+def _narrow_out(indices, num_embeddings, kernel):
+    """Where the check of int64 ids (kernels only) also writes them as int32, for the pooling to
+    read (benchmarks/NOTES.md, session 34), or None."""
+    if (indices.dtype != torch.int64 or max(indices.numel(), num_embeddings) > INT32_MAX
+            or not (use_kernels(indices) if kernel is None else kernel)):
+        return None
+    return torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
