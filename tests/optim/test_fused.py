@@ -164,6 +164,38 @@ def test_rejected_batch_changes_nothing(device, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fused_steps_on_ids_the_check_narrowed_are_bitwise_those_on_the_ids(device, mode, monkeypatch):
+    """A fused lookup's int64 ids, read as the int32 its check writes (tuning.narrows; here every
+    batch), train bitwise as "off" on the ids as given; a bad batch among them changes nothing."""
+    from embfuse.ops import tuning
+
+    monkeypatch.setattr(tuning, "NARROW_IDS", -1)
+    monkeypatch.setattr(tuning, "NARROW_DIM", 0)
+    batches = [random_bags(8, 6, 40, device) for _ in range(3)]
+    mods = [embfuse.nn.EmbeddingBag(40, 16, mode=mode, optimizer=RowWiseAdagrad(lr=0.1), device=device,
+                                    bounds_check=check) for check in ("off", "deferred")]
+    mods[1].load_state_dict(mods[0].state_dict())
+    for x, off in batches:
+        for m in mods:
+            m(x, off[:-1]).backward(torch.ones(8, 16, device=device))
+    embfuse.check_errors()
+    before = {k: v.clone() for k, v in mods[1].state_dict().items() if torch.is_tensor(v)}
+    for k, v in mods[0].state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, before[k]), k
+    x, off = batches[0]
+    bad = x.clone()
+    bad[3] = 40
+    with pytest.raises(IndexError, match="input\\[3\\] = 40 is out of range"):
+        mods[1](bad, off[:-1]).backward(torch.ones(8, 16, device=device))
+        embfuse.check_errors()
+    for k, v in before.items():
+        assert torch.equal(v, mods[1].state_dict()[k]), k
+    assert mods[1]._fused.step == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_tables_train_with_fp32_state(device, dtype):
     m = embfuse.nn.EmbeddingBag(20, 8, mode="sum", optimizer=Adagrad(lr=0.1), device=device, dtype=dtype)
