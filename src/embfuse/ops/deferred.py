@@ -89,11 +89,10 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
     Ids in [0, num_embeddings); offsets (if any) start at 0, never decrease, end at most n.
     CLAMP_LAST: the last offset reads as at least n (torch's include_last_offset rule: the last
     bag runs to the end of the ids whatever it says; past the end is still an error).
-    REMAP: also write each id as the lookup should read it into `out`: with HOT, hot rows from
-    their resident copy (ops/residency.py); without, the id itself in out's (narrower) dtype, a
-    bad lane's wrapped, never read: the lookup reads status first. Without CHECK that is all (a
-    batch not checked). Program 0 also clears `status_next`, the status of the next call (see
-    DeviceLog)."""
+    REMAP: also write into `out` each id as the lookup reads it: with HOT, hot rows from their
+    resident copy (ops/residency.py); else the id in out's dtype (a bad lane's wrapped: the lookup
+    reads status first). Without CHECK that is all. Program 0 also clears `status_next`, the
+    status of the next call (see DeviceLog)."""
     # lanes count in int32 from the block's int64 start (fewer registers, as the keyed check's:
     # benchmarks/NOTES.md, session 16), and only blocks that hold offsets read them
     start = pid.to(tl.int64) * BLOCK
