@@ -1,17 +1,20 @@
-"""One table's check writing int64 ids as int32 for the lookup (tuning.NARROW_IDS), A/B in one
-process: `off` (ids as given), the default with the narrowed ids, the default without
-(NARROW_IDS out of reach). Each cell: GPU time (the call's kernels, profiler, L2 cleared before
-each call) and do_bench's median (host time shows there), the middle of three alternating rounds.
-Rows: forward lookups (no gradient: training steps are never narrowed) over widths and dtypes,
-with `off` on int32 ids beside them (what the pooling alone gains).
+"""The check writing int64 ids as int32 for the lookup (tuning.NARROW_IDS), A/B in one process:
+`off` (ids as given), the default with the narrowed ids, the default without (NARROW_IDS out of
+reach). Each cell: GPU time (the call's kernels, profiler, L2 cleared before each call) and
+do_bench's median (host time shows there), the middle of three alternating rounds. Rows: forward
+lookups without gradient, with `off` on int32 ids beside them (what the pooling alone gains): one
+table over widths and dtypes, and the 26-table Criteo-like collection (the keyed check).
 
-    PYTHONPATH=src python3 benchmarks/validation/narrow_ids.py
+    PYTHONPATH=src python3 benchmarks/validation/narrow_ids.py [table] [collection]
 """
+
+import sys
 
 import torch
 from triton.testing import do_bench
 
 import embfuse
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload, generate_batch
 from embfuse.ops import tuning
 
@@ -73,10 +76,30 @@ def forward_rows():
         del table
 
 
+def collection_rows():
+    for B in (2048, 16384):
+        w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
+        kjt = make_batch(w, "cuda")
+        k32 = embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths(), stride=B,
+                                        length_per_key=kjt.length_per_key())
+        off, ebc = make_collection(w, "cuda", bounds_check="off"), make_collection(w, "cuda")
+        f = lambda: ebc(kjt).values()
+        calls = {"off": lambda: off(kjt).values(), "off32": lambda: off(k32).values(),
+                 "narrowed": with_narrow(-1, f), "as given": with_narrow(NEVER, f)}
+        with torch.no_grad():
+            row(f"collection 26 x 128 B{B} L1-99 powerlaw ({kjt.values().numel() / 1e6:.1f}M ids)", calls)
+        del off, ebc
+
+
 if __name__ == "__main__":
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us; NARROW_IDS in the tree: {AT}")
     print("GPU time (over off) / do_bench median")
     print("| row | off | off, int32 ids | default, narrowed | default, as given |")
     print("|---|---|---|---|---|")
-    forward_rows()
+    parts = sys.argv[1:] or ["table", "collection"]
+    if "table" in parts:
+        forward_rows()
+    if "collection" in parts:
+        collection_rows()
     tuning.NARROW_IDS = AT
+    embfuse.check_errors()

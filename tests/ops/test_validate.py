@@ -175,7 +175,8 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last,
 @given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
 def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B):
     """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
-    ids (int64 and int32), bad offsets included."""
+    ids (int64 and int32), bad offsets included. With `narrow` it also writes int64 values as the
+    int32 values the pooling reads."""
     import itertools
 
     from embfuse.ops.collection import Plan
@@ -190,7 +191,10 @@ def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B):
                           device=KERNEL_DEVICE)
     expected = _collection_flags_reference(values, offsets, plan.limits, B)
     keys = [f"f{i}" for i in range(F)]
-    *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True)
+    narrow = data.draw(st.booleans())
+    read, *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True, narrow=narrow)
+    assert read.dtype == (torch.int32 if narrow else dtype)
+    assert torch.equal(read.long(), values.long())  # (bad values too: these fit in int32)
     got = int(check.status[0])
     # bad offsets are flagged by both; ids are compared only when the offsets are good
     assert bool(got & BAD_OFFSETS) == bool(expected & BAD_OFFSETS)

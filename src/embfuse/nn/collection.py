@@ -406,10 +406,12 @@ class EmbeddingBagCollection(_Collection):
             raise NotImplementedError("a padded batch cannot be looked up with TensorFlow's safe rules or trained "
                                       "with hot_rows; unpad() it")
         resident = None if trains else self._resident(plan, kjt.values(), kjt.offsets(), B)
+        # a large forward reads its int64 ids as the int32 the check writes (benchmarks/NOTES.md, session 35)
+        narrow = not trains and plan.rules is None and tuning.narrows(plan.narrow_dim, kjt.values().numel())
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
             [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh,
-            remap=None if resident is None else resident.remap, tail=kjt._padded)
+            remap=None if resident is None else resident.remap, tail=kjt._padded, narrow=narrow)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
                                              None if check is None else check.status, accumulation(self.weights))

@@ -51,6 +51,8 @@ class Plan(_handles.Named):
             m[ROW_START], m[ROWS], m[KEY_START] = row[t], tables[t][0], t << self.layout.shift
             self.rows.append(m)
         self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, META_COLUMNS)
+        # the narrowest feature's width, 0 when a table's ids pass int32 (tuning.narrows)
+        self.narrow_dim = min((m[DIM] for m in self.rows), default=0) if max(rows, default=0) < 1 << 31 else 0
         self.rules = None
         self.limits = self.meta[:, ROWS].contiguous()  # rows of each feature's table: the check's bounds
         if safe is not None and any(r is not None for r in safe):

@@ -45,7 +45,6 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-
 # ---- the kernels: one pass over the batch, a verdict in `status` and in the host's ring ----
 
 @triton.jit
@@ -152,7 +151,7 @@ def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
 @triton.jit(do_not_specialize=["slot", "seq", "F"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
-                       REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr):
+                       REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
@@ -160,8 +159,8 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
     lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
-    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, CHECK: as _check_ids_kernel (info: ops/residency.py
-    Resident.info).
+    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, HOT, CHECK: as check_ids_program (info:
+    ops/residency.py Resident.info).
     TAIL: a padded batch (sparse/padded.py): offsets end at most at n, and the values after
     offsets[FB] belong to no bag and are neither checked nor remapped."""
     pid = tl.program_id(0)
@@ -198,9 +197,11 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
             bad = in_values & (((v < 0) & (limit > 0)) | (v >= tl.abs(limit)))
         bad_any = tl.maximum(bad_any, bad.to(tl.int32))
         if REMAP:
-            first_row = tl.load(info + f * 3, mask=in_values, other=0)
-            rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
-            new = hot_ids(v.to(tl.int64), in_values & ~bad, first_row, rel, words)
+            new = v
+            if HOT:
+                first_row = tl.load(info + f * 3, mask=in_values, other=0)
+                rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
+                new = hot_ids(v.to(tl.int64), in_values & ~bad, first_row, rel, words)
             tl.store(out + first + lane, new.to(out.dtype.element_ty), mask=in_values)
         if CHECK:
             if first <= FB:  # (offsets end at FB: most blocks lie past them)
@@ -512,16 +513,15 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
 def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):
     """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check; `tail`:
     a padded batch (values past the last offset belong to no bag)."""
-    FB = offsets.numel() - 1
+    FB, n, block = offsets.numel() - 1, values.numel(), tuning.CHECK_BLOCK
     F = max(1, FB // max(B, 1))
-    n = values.numel()
-    block = tuning.CHECK_BLOCK
     chunks = tuning.check_chunks(max(n, FB + 1))
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
         values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check), out,
         None if resident is None else resident.info, None if resident is None else resident.words,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
-        REMAP=resident is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, num_warps=tuning.CHECK_WARPS)
+        REMAP=out is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, HOT=resident is not None,
+        num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
@@ -567,7 +567,6 @@ class TracedCheck:
 
 def traced_mode(bounds_check: str) -> str:
     return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
-
 
 
 # the status copies that compiled graphs' check ops return (ops/validate.py), each to its eager Check,

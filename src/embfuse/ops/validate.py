@@ -362,14 +362,16 @@ def validate_ids(indices, num_embeddings, *, name="input", bounds_check=DEFAULT_
 def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
                         limits: torch.Tensor, B: int, keys: list[str], tables: list[str],
                         bounds_check: str = DEFAULT_BOUNDS_CHECK, fresh: bool = True, kernel: Optional[bool] = None,
-                        remap=None, tail: bool = False, positions: Optional[torch.Tensor] = None):
+                        remap=None, tail: bool = False, positions: Optional[torch.Tensor] = None,
+                        narrow: bool = False):
     """Check a keyed batch (F * B bags) against its features' tables (limits[f]: rows of feature
     f's table, negated where ids < 0 are allowed: see in_range) in one pass: lengths that are
     non-negative and add up to the values, every id inside its feature's table. Returns (values,
     offsets, per_sample_weights, check) as validate_bags does (`remap` too). Errors name the
     feature, its table, the position and the sample. `tail`: a padded batch (sparse/padded.py),
     whose lengths add up to at most the values and whose values past them are not checked.
-    `positions`: each value's position in the caller's order, for the messages (_bad_value_message)."""
+    `positions`: each value's position in the caller's order, for the messages (_bad_value_message).
+    `narrow`: as validate_bags' (the caller knows every table's ids fit in int32)."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -394,10 +396,14 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
         prepare_log(str(values.device))
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, join_names(keys),
                                                                 join_names(tables), traced_mode(bounds_check), tail))
+    if narrow and remap is None:
+        out = _narrow_out(values, 0, kernel)
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
                                     out, tail, positions)
     if keep is None:
-        return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
+        if remap is not None:
+            out = _remapped(values, offsets, limits, B, remap, None, out, kernel)
+        return values if out is None else out, offsets, psw, check
     values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
     return remap_ids(values, offsets, limits, B, remap), offsets, psw, None
 
@@ -419,9 +425,8 @@ def _narrow_out(indices, num_embeddings, kernel):
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
-    """The ids to read after a check that wrote them into `out` if it ran as a kernel."""
-    if remap is None:
-        return values
+    """The ids to read (hot rows from their copy: `remap`) after a check that wrote them into
+    `out` if it ran as a kernel."""
     if kernel or (kernel is None and use_kernels(values)):
         return out
     return remap_ids(values, offsets, limits, B, remap, num_embeddings, out)
