@@ -20,6 +20,7 @@ from embfuse.ops import tuning
 
 NEVER = 1 << 62
 AT = tuning.NARROW_IDS
+BATCHES = (2048, 4096, 8192, 16384)  # the collection rows
 
 
 def gpu_time(f, calls=20):
@@ -77,7 +78,7 @@ def forward_rows():
 
 
 def collection_rows():
-    for B in (2048, 16384):
+    for B in BATCHES:
         w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
         kjt = make_batch(w, "cuda")
         k32 = embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths(), stride=B,

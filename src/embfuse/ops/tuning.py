@@ -70,13 +70,15 @@ IDS_CHECK_WARPS = 4
 # FOLD_BLOCK ids (all its loads at once: four steps of 256 cost 4.5 us more GPU time than the
 # check's own launch)
 FOLD_IDS = 1 << 19
-# a lookup that may fold its check (no autograd gradient: a forward, or a fused update's) of more
-# than NARROW_IDS int64 ids into rows of at least NARROW_DIM elements reads them as the int32 its
-# check also writes: pooling one or two rows a step, it gains 2-8.5% from int32 ids, more than the
-# check's extra write (16.8 MB at B65536 L64: about 6 us); four or eight rows a step gain less.
-# Smaller batches' host time hides nothing: the copy adds about 12 us of it a call (cause not
-# found), and D128 B16384's wall went from 119 to 137 us (H100, NOTES: session 34)
-NARROW_IDS = 1 << 21
+# a lookup that may fold its check (no autograd gradient: a forward, or a fused update's; a
+# collection's forward) of more than NARROW_IDS int64 ids into rows of at least NARROW_DIM
+# elements reads them as the int32 its check also writes: pooling one or two rows a step, it
+# gains 2-8.5% from int32 ids, more than the check's extra write (16.8 MB at B65536 L64: about
+# 6 us); four or eight rows a step gain less. Smaller batches' host time hides nothing: the copy
+# adds 12-19 us of it a call (cause not found). Walls on the H100: one table D128 1M ids lost
+# (119 -> 137 us), 4.2M gained; the Criteo collection 2.7M lost (145 -> 178-225 us), 5.3M gained
+# (NOTES: sessions 34, 35)
+NARROW_IDS = 3 << 20
 NARROW_DIM = 128
 
 
