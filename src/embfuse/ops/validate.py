@@ -329,9 +329,7 @@ def validate_bags(indices, offsets, num_embeddings, per_sample_weights=None, *, 
         lambda: _bad_id_message(indices, shape, num_embeddings, name),
         fold and out is None and indices.numel() <= tuning.FOLD_IDS)
     if keep is None:
-        if remap is not None:
-            out = _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel)
-        return indices if out is None else out, offsets, per_sample_weights, check
+        return _remapped(indices, None, None, 1, remap, num_embeddings, out, kernel), offsets, per_sample_weights, check
     indices, offsets, per_sample_weights, _ = skip_ids(indices, offsets, per_sample_weights, keep)
     return remap_ids(indices, None, None, 1, remap, num_embeddings), offsets, per_sample_weights, None
 
@@ -401,9 +399,7 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
                                     out, tail, positions)
     if keep is None:
-        if remap is not None:
-            out = _remapped(values, offsets, limits, B, remap, None, out, kernel)
-        return values if out is None else out, offsets, psw, check
+        return _remapped(values, offsets, limits, B, remap, None, out, kernel), offsets, psw, check
     values, offsets, psw, _ = skip_ids(values, offsets, psw, keep)
     return remap_ids(values, offsets, limits, B, remap), offsets, psw, None
 
@@ -425,8 +421,11 @@ def _narrow_out(indices, num_embeddings, kernel):
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
-    """The ids to read (hot rows from their copy: `remap`) after a check that wrote them into
-    `out` if it ran as a kernel."""
+    """The ids to read after a check: `out` where the check ran as a kernel and wrote them there
+    (hot rows from their copy with a `remap`, else narrowed: _narrow_out, kernels only), the
+    values themselves where it wrote none."""
+    if out is None:
+        return values
     if kernel or (kernel is None and use_kernels(values)):
         return out
     return remap_ids(values, offsets, limits, B, remap, num_embeddings, out)
