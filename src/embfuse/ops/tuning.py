@@ -75,7 +75,7 @@ FOLD_IDS = 1 << 19
 # elements reads them as the int32 its check also writes: pooling one or two rows a step, it
 # gains 2-8.5% from int32 ids, more than the check's extra write (16.8 MB at B65536 L64: about
 # 6 us); four or eight rows a step gain less. Smaller batches' host time hides nothing: the copy
-# adds 12-19 us of it a call (about 9 of them its torch.empty). Walls on the H100: one table D128
+# adds 12-19 us of it a call (8-9 of them its allocation, since halved). Walls on the H100: one table D128
 # 1M ids lost (119 -> 137 us), 4.2M gained; the Criteo collection 2.7M lost (145 -> 178-225 us),
 # 5.3M gained (NOTES: sessions 34, 35)
 NARROW_IDS = 3 << 20

@@ -408,7 +408,8 @@ def _remap_out(values, remap):
     """Where the check writes the ids to read, when there is a Resident (ops/residency.py)."""
     if remap is None:
         return None
-    return torch.empty(values.shape, dtype=torch.int32 if remap.int32 else torch.int64, device=values.device)
+    return torch.empty_like(values, dtype=torch.int32 if remap.int32 else torch.int64,
+                            memory_format=torch.contiguous_format)
 
 
 def _narrow_out(indices, num_embeddings, kernel):
@@ -417,7 +418,8 @@ def _narrow_out(indices, num_embeddings, kernel):
     if (indices.dtype != torch.int64 or max(indices.numel(), num_embeddings) > INT32_MAX
             or not (use_kernels(indices) if kernel is None else kernel)):
         return None
-    return torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+    # (empty_like: 4.7 us of host time on the H100 against 8.5-9.5 for torch.empty(shape, device=))
+    return torch.empty_like(indices, dtype=torch.int32, memory_format=torch.contiguous_format)
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
