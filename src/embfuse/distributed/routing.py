@@ -71,8 +71,14 @@ class Routing:
                                       dtype=torch.int64, device=device)
         self.world, self.slot_base = len(entries), slot_base
         self.header_width = H = COUNTS + max(len(e) for e in entries)
-        pos = [r * H + COUNTS + e for r in range(self.world) for e in range(len(entries[r]))]
-        self.header_pos = torch.tensor(pos, dtype=torch.int64, device=device)
+        # the header is one gather of (status, each slot's ids, B, 0): few launches, each costs host time
+        src = [nslots + 2] * (self.world * H)
+        for r in range(self.world):
+            src[r * H + STATUS], src[r * H + BATCH] = 0, nslots + 1
+            for e in range(len(entries[r])):
+                src[r * H + COUNTS + e] = 1 + slot_base[r] + e
+        self.header_src = torch.tensor(src, dtype=torch.int64, device=device)
+        self._fields = (None, None)  # (B, the device tensor [B, 0]) of the last batch
 
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch unpadded, one key a feature, in the collection's feature order (a feature of
@@ -136,48 +142,44 @@ class Routing:
                 0, key * Bs + bag - feature * Bs, torch.ones_like(key))
             lens = torch.cat([lens, counts.view(K, Bs)[:, :B]])
         lens = lens.index_select(0, self.slot_rows)
-        H = self.header_width
-        header = torch.zeros(self.world * H, dtype=torch.int64, device=dev)
-        header[STATUS::H] = status
-        header[BATCH::H] = B
-        header[self.header_pos] = lens.sum(1)
+        if self._fields[0] != B:
+            self._fields = (B, torch.tensor([B, 0], dtype=torch.int64, device=dev))
+        header = torch.cat([status.view(1), lens.sum(1), self._fields[1]])[self.header_src]
         return header, Routed(kjt, offsets, values, psw, rows, lens, B)
 
     def send_buffer(self, routed: Routed, counts: list[int]) -> tuple[Tensor, list[int]]:
         """One int64 buffer to send and its size for each destination (`counts`: each slot's
         ids, from the header). Destination d's part: its slots' lengths, then their ids, then
-        their weights' bits (fp32 as int32, widened; `unpack_weights` undoes it): slices of the
-        batch for whole features, of the sorted blocks for row-wise ones; one copy."""
-        values, psw, B = routed.values, routed.psw, routed.B
-        bits = None if psw is None else psw.view(torch.int32).long()
-        row_bits = None if psw is None or routed.rows is None else routed.rows[1].view(torch.int32).long()
+        their weights' bits (fp32 as int32, widened; `unpack_weights` undoes it): views of the
+        batch for whole features, of the sorted blocks for row-wise ones (one split call each,
+        not a slice each: the host's time here is the GPU's idle time), then one copy."""
+        psw, B = routed.psw, routed.B
         size = [0] * len(self.feature_names)  # each feature's ids (a row-wise one's: the sum of its shards')
         count = {}
         for (i, j), c in zip(self.slot_source, counts):
             size[i] = c if j is None else size[i] + c  # (a column-wise feature: each copy is the whole)
             count[(i, j)] = c
-        starts = [0]
-        for c in size:
-            starts.append(starts[-1] + c)
-        at, key_start = 0, {}  # row-wise (feature, shard) -> its first place among the sorted ids
-        for i in self.row_features:
-            for j in range(self.most_shards):
-                key_start[(i, j)] = at
-                at += count.get((i, j), 0)
+        keys = [(i, j) for i in self.row_features for j in range(self.most_shards)]  # the sorted ids' order
 
-        def piece(i, j, c, weights):
-            if j is None:
-                return (bits if weights else values)[starts[i]:starts[i] + c]
-            a = key_start[(i, j)]
-            return (row_bits if weights else routed.rows[0])[a:a + c]
+        def pieces(whole: Tensor, rows: Optional[Tensor]) -> dict:
+            """(feature, None) -> the feature's ids in `whole`; (feature, shard) -> its ids in `rows`."""
+            out = dict(zip([(i, None) for i in range(len(size))], torch.split(whole, size)))
+            if rows is not None:
+                out.update(zip(keys, torch.split(rows, [count.get(k, 0) for k in keys])))
+            return out
 
+        rows = routed.rows or (None, None)
+        ids = pieces(routed.values, rows[0])
+        bits = None if psw is None else pieces(psw.view(torch.int32).long(),
+                                               None if rows[1] is None else rows[1].view(torch.int32).long())
+        lens = torch.split(routed.lens, [b - a for a, b in zip(self.slot_base, self.slot_base[1:])])
         parts, sizes = [], []
         for d in range(self.world):
             slots = range(self.slot_base[d], self.slot_base[d + 1])
-            parts.append(routed.lens[self.slot_base[d]:self.slot_base[d + 1]].reshape(-1))
-            parts += [piece(*self.slot_source[k], counts[k], False) for k in slots]
-            if psw is not None:
-                parts += [piece(*self.slot_source[k], counts[k], True) for k in slots]
+            parts.append(lens[d].reshape(-1))
+            parts += [ids[self.slot_source[k]] for k in slots]
+            if bits is not None:
+                parts += [bits[self.slot_source[k]] for k in slots]
             sizes.append(len(slots) * B + (2 if psw is not None else 1) * sum(counts[k] for k in slots))
         return torch.cat(parts), sizes
 

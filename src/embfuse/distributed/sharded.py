@@ -348,23 +348,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             return self._pool(KeyedJaggedTensor(self.entries[self.rank], recv[at:at + n],
                                                 unpack_weights(recv[at + n:at + 2 * n]) if weighted else None,
                                                 lengths=recv[:at], stride=total, length_per_key=per_key))
-        lens, vals, wts = [], [], []
-        base = 0
-        for s in range(W):  # (source-major here; the lookup wants feature-major)
-            n = sum(counts[s])
-            at = base + E * batches[s]
-            lens.append([recv[base + e * batches[s]:base + (e + 1) * batches[s]] for e in range(E)])
-            vals.append([recv[at + sum(counts[s][:e]):at + sum(counts[s][:e + 1])] for e in range(E)])
-            if weighted:
-                wts.append([recv[at + n + sum(counts[s][:e]):at + n + sum(counts[s][:e + 1])] for e in range(E)])
-            base = at + (2 if weighted else 1) * n
-
-        def joined(parts):
-            return torch.cat([parts[s][e] for e in range(E) for s in range(W)])
-
-        kjt = KeyedJaggedTensor(self.entries[self.rank], joined(vals),
-                                unpack_weights(joined(wts)) if weighted else None, lengths=joined(lens),
-                                stride=total, length_per_key=per_key)
+        # source s's part: a piece of lengths a feature, then of ids (then of weights' bits); split
+        # in one call, joined feature-major (every source's samples of a feature together) by one copy
+        kinds = 3 if weighted else 2
+        pieces = torch.split(recv, [x for s in range(W) for x in [batches[s]] * E + counts[s] * (kinds - 1)])
+        flat = torch.cat([pieces[s * kinds * E + k * E + e] for k in range(kinds) for e in range(E) for s in range(W)])
+        L, n = E * total, sum(per_key)
+        kjt = KeyedJaggedTensor(self.entries[self.rank], flat[L:L + n], unpack_weights(flat[L + n:]) if weighted else None,
+                                lengths=flat[:L], stride=total, length_per_key=per_key)
         return self._pool(kjt)
 
     def _pool(self, kjt: KeyedJaggedTensor) -> Tensor:
