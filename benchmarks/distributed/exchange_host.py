@@ -17,13 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import embfuse
 import embfuse.distributed as ed
-from embfuse.bench.collection import make_batch, table_rows
-from embfuse.bench.distributed import _init
-from embfuse.bench.workloads import Workload
+from embfuse.bench.distributed import _init, collection, rank_batches, workload
 from embfuse.distributed import routing, sharded
-from embfuse.optim import RowWiseAdagrad
 
 
 def _load(name, path):
@@ -45,19 +41,12 @@ if os.environ.get("BASE"):
 
 dev, _ = _init("auto")
 rank, world = dist.get_rank(), dist.get_world_size()
-w = Workload("criteo-sharded", "collection-train-rowwise", int(os.environ.get("ROWS", 1_000_000)), 128,
-             int(os.environ.get("BATCH", 16384)), 20,
-             "powerlaw", 1.05, "csr", tables=26)
-torch.manual_seed(0)
-ebc = embfuse.EmbeddingBagCollection(
-    [embfuse.EmbeddingBagConfig(r, 128, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-    device=dev, optimizer=RowWiseAdagrad(lr=0.01))
-model = ed.shard(ebc, None)
-del ebc
+w = workload(int(os.environ.get("BATCH", 16384)), int(os.environ.get("ROWS", 1_000_000)))
+model = ed.shard(collection(w, dev), None)
 H = model.routing.header_width  # (trees before e5251ac build the header with header_pos)
 model.routing.header_pos = torch.tensor([r * H + routing.COUNTS + e for r in range(world)
                                          for e in range(len(model.entries[r]))], device=dev)
-batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
+batches = rank_batches(w, dev)
 sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 spent: dict[str, float] = {}
 

@@ -10,24 +10,14 @@ import time
 import torch
 import torch.distributed as dist
 
-import embfuse
 import embfuse.distributed as ed
-from embfuse.bench.collection import make_batch, table_rows
-from embfuse.bench.distributed import _init
-from embfuse.bench.workloads import Workload
-from embfuse.optim import RowWiseAdagrad
+from embfuse.bench.distributed import _init, collection, rank_batches, workload
 
 dev, _ = _init("auto")
 rank, world = dist.get_rank(), dist.get_world_size()
-B = int(os.environ.get("BATCH", 16384))
-w = Workload("criteo-sharded", "collection-train-rowwise", 1_000_000, 128, B, 20, "powerlaw", 1.05, "csr", tables=26)
-torch.manual_seed(0)
-ebc = embfuse.EmbeddingBagCollection(
-    [embfuse.EmbeddingBagConfig(r, 128, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-    device=dev, optimizer=RowWiseAdagrad(lr=0.01))
-model = ed.shard(ebc, None)
-del ebc
-batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
+w = workload(int(os.environ.get("BATCH", 16384)))
+model = ed.shard(collection(w, dev), None)
+batches = rank_batches(w, dev)
 
 
 def marks(step):

@@ -47,6 +47,26 @@ def _init(device: str) -> tuple[torch.device, bool]:
 COMM_DTYPES = {"table": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def workload(batch: int, rows: int = 1_000_000, dim: int = 128, hotness: int = 20) -> Workload:
+    """The sharded step's workload: 26 Criteo-like tables (rows capped at `rows`), power-law ids,
+    `batch` samples a rank."""
+    return Workload("criteo-sharded", "collection-train-rowwise", rows, dim, batch, hotness, "powerlaw", 1.05, "csr",
+                    tables=26)
+
+
+def collection(w: Workload, device) -> embfuse.EmbeddingBagCollection:
+    """The workload's tables, table i read by feature f{i}, fused row-wise Adagrad (seeded)."""
+    torch.manual_seed(0)
+    return embfuse.EmbeddingBagCollection(
+        [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
+        device=device, optimizer=RowWiseAdagrad(lr=0.01))
+
+
+def rank_batches(w: Workload, device) -> list:
+    """Four batches of this rank's own (seeded by the rank)."""
+    return [make_batch(w, device, seed=1000 * dist.get_rank() + i) for i in range(4)]
+
+
 def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: int, device: str = "auto",
             plan=None, comm_dtype: str = "table", compiled: bool = False, profile: Path | None = None) -> dict:
     """Time the sharded step on every rank; returns every rank's figures (on every rank).
@@ -57,14 +77,10 @@ def measure(batch: int, rows: int, dim: int, hotness: int, steps: int, warmup: i
     dev, made = _init(device)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        w = Workload("criteo-sharded", "collection-train-rowwise", rows, dim, batch, hotness, "powerlaw", 1.05,
-                     "csr", tables=26)
-        torch.manual_seed(0)
-        ebc = embfuse.EmbeddingBagCollection(
-            [embfuse.EmbeddingBagConfig(r, dim, f"t{i}", feature_names=[f"f{i}"]) for i, r in enumerate(table_rows(w))],
-            device=dev, optimizer=RowWiseAdagrad(lr=0.01))
+        w = workload(batch, rows, dim, hotness)
+        ebc = collection(w, dev)
         model = ed.shard(ebc, plan, comm_dtype=COMM_DTYPES[comm_dtype])
-        batches = [make_batch(w, dev, seed=1000 * rank + i) for i in range(4)]
+        batches = rank_batches(w, dev)
         timer = ed.CommTimer()
         model.comm_timer = timer
         times, comm = time_steps(model, batches, steps, warmup, dev, timer)
