@@ -11,7 +11,8 @@
 #          and on N;
 #   peers (not in the default): torchrec_dmp.py (TorchRec's DMP over FBGEMM on the bench's
 #          workload) on N GPUs and on 1, when torchrec and fbgemm_gpu are installed (their wheels
-#          and the trimmed FBGEMM on PYTHONPATH: NOTES, session 32), and a2a_bandwidth.py on N.
+#          and the trimmed FBGEMM on PYTHONPATH: NOTES, session 32), and a2a_bandwidth.py on N
+#          (with NCCL's defaults, then with 32 peer-to-peer channels a peer).
 # Writes OUT/log.txt, OUT/bench-1, OUT/bench-N, OUT/bench-N-bf16, OUT/bench-N-compiled,
 # OUT/demo-movielens-{1,N}, OUT/demo-synthetic-{1,N}.
 # Run from the repository root with torch and Triton installed; EMBFUSE_COMMIT tags the results
@@ -82,5 +83,9 @@ if has peers; then
         echo "== TorchRec DMP: torchrec or fbgemm_gpu is not installed here" | tee -a "$LOG"
     fi
     run "NCCL all-to-all alone, $N ranks" 100 torchrun --nproc_per_node="$N" --master_port 29606 \
+        benchmarks/distributed/a2a_bandwidth.py
+    # (NCCL's peer-to-peer channels: a setting of the user's environment, NOTES session 36)
+    run "NCCL all-to-all alone, 32 channels a peer, $N ranks" 100 env NCCL_MIN_P2P_NCHANNELS=32 \
+        NCCL_MAX_P2P_NCHANNELS=32 torchrun --nproc_per_node="$N" --master_port 29606 \
         benchmarks/distributed/a2a_bandwidth.py
 fi

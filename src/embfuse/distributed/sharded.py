@@ -354,8 +354,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         pieces = torch.split(recv, [x for s in range(W) for x in [batches[s]] * E + counts[s] * (kinds - 1)])
         flat = torch.cat([pieces[s * kinds * E + k * E + e] for k in range(kinds) for e in range(E) for s in range(W)])
         L, n = E * total, sum(per_key)
-        kjt = KeyedJaggedTensor(self.entries[self.rank], flat[L:L + n], unpack_weights(flat[L + n:]) if weighted else None,
-                                lengths=flat[:L], stride=total, length_per_key=per_key)
+        kjt = KeyedJaggedTensor(self.entries[self.rank], flat[L:L + n],
+                                unpack_weights(flat[L + n:]) if weighted else None, lengths=flat[:L], stride=total,
+                                length_per_key=per_key)
         return self._pool(kjt)
 
     def _pool(self, kjt: KeyedJaggedTensor) -> Tensor:
