@@ -21,7 +21,7 @@ kjt = make_batch(w, "cuda")
 values, offsets = kjt.values(), kjt.offsets()
 for dtype in (torch.float32, torch.bfloat16):
     ebc = make_collection(w, "cuda", data_type=dtype)
-    plan = ebc._plan(kjt.keys(), "cuda")
+    plan = ebc._plan(kjt.keys(), ebc.weights.device)
     args = (ebc.weights.detach(), values, offsets, None, plan.meta, B, plan.total_dim, plan.max_dim, plan.layout.vec)
     ref = collection_forward(*args)
     rule = do_bench(lambda: collection_forward(*args), warmup=25, rep=100, return_mode="median") * 1e3

@@ -64,6 +64,21 @@ def test_forward_kernel_with_vector_loads_matches_float64(dtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize("weighted", [False, True])
+def test_few_long_bags_match_float64(weighted):
+    """FEATURES x 3 bags of up to 250 ids: the spread launch shape (tuning.spreads)."""
+    B = 3
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=250)
+    assert tuning.pooling_shape(P.max_dim, values.numel(), len(FEATURES) * B)["num_warps"] == 4
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
+    ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta, B,
+                               P.total_dim, P.max_dim)
+    assert_close(out, ref, torch.float32, reduction=250)
+
+
+@requires_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

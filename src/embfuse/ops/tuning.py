@@ -14,12 +14,13 @@ from embfuse._triton import next_pow2
 # ---- pooled lookups (ops/embedding_bag.py, ops/collection.py) ----
 
 
-def bag_shape(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
+def bag_shape(D: int, avg_bag: float, overrides: dict | None = None, spread: bool = False) -> dict:
     """A pooling program: all of D up to 256 columns, rows stacked to about 256 elements a tile
     but no more than a bag holds, one warp. Within 3% of the best of an H100 sweep of 256-8192
     elements x 1-8 warps on fp32/fp16 x D 32/128 x uniform/power-law ids (NOTES: "bag shape").
+    `spread` (few long bags, `spreads`): 512 elements and four warps instead.
     `overrides` (sweeps) replaces any of: elems, block_l, block_d, num_warps, evict."""
-    cfg = {"elems": 256, "num_warps": 1, "evict": ""}
+    cfg = {"elems": 512, "num_warps": 4, "evict": ""} if spread else {"elems": 256, "num_warps": 1, "evict": ""}
     cfg.update(overrides or {})
     block_d = cfg.get("block_d") or min(next_pow2(D), 256)
     block_l = cfg.get("block_l") or max(1, min(cfg["elems"] // block_d, 64, next_pow2(max(1, int(avg_bag)))))
@@ -28,13 +29,28 @@ def bag_shape(D: int, avg_bag: float, overrides: dict | None = None) -> dict:
 
 _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 
+# few long bags spread a program over four warps: (bags a launch at most, their mean length
+# rounded up to a power of two at least). With one warp a bag, so few bags leave most of the
+# GPU's warp slots empty while each bag's steps wait on memory in turn (NOTES: "bag shape, few
+# long bags"; shorter bags or more of them keep one warp: at 2048 bags the measurements split)
+SPREAD_BAGS = ((1024, 64),)
 
-def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False) -> dict:
-    """bag_shape for `values` ids over `bags` bags of width D, cached for eager calls."""
+
+def spreads(bags: int, avg_pow2: int) -> bool:
+    """Whether a launch of `bags` bags of about `avg_pow2` ids takes bag_shape's `spread` shape."""
+    return any(bags <= most and avg_pow2 >= least for most, least in SPREAD_BAGS)
+
+
+def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False,
+                  spread_ok: bool = True) -> dict:
+    """bag_shape for `values` ids over `bags` bags of width D, cached for eager calls.
+    `spread_ok`: False for max pooling, whose tiles carry two int64 index arrays (four warps
+    lost there: NOTES, "bag shape, few long bags")."""
     avg = next_pow2(max(1, values // max(1, bags)))
+    spread = spread_ok and spreads(int(bags), avg)
     if overrides or traced:
-        return bag_shape(D, avg, overrides)
-    return _bag_shape_cached(D, avg)
+        return bag_shape(D, avg, overrides, spread)
+    return _bag_shape_cached(D, avg, None, spread)
 
 
 # a program of the per-bag passes (backward inputs, the collection check, the hot split) takes
