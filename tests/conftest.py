@@ -40,3 +40,19 @@ def _seed():
     for log in _LOGS.values():
         log.pending.clear()
         log.graph_checks.clear()
+
+
+@pytest.fixture
+def pooling_warps(monkeypatch) -> list:
+    """The num_warps of every pooling launch shape chosen during the test (tuning.pooling_shape)."""
+    from embfuse.ops import tuning
+
+    chosen, shape = [], tuning.pooling_shape
+
+    def spy(*args, **kwargs):
+        cfg = shape(*args, **kwargs)
+        chosen.append(cfg["num_warps"])
+        return cfg
+
+    monkeypatch.setattr(tuning, "pooling_shape", spy)
+    return chosen

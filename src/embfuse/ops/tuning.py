@@ -45,7 +45,8 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
                   spread_ok: bool = True) -> dict:
     """bag_shape for `values` ids over `bags` bags of width D, cached for eager calls.
     `spread_ok`: False for max pooling, whose tiles carry two int64 index arrays (four warps
-    lost there: NOTES, "bag shape, few long bags")."""
+    lost there), and for tables of other than 4-byte elements, where the spread shape was not
+    measured (NOTES, "bag shape, few long bags")."""
     avg = next_pow2(max(1, values // max(1, bags)))
     spread = spread_ok and spreads(int(bags), avg)
     if overrides or traced:
