@@ -48,7 +48,7 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
     lost there), and for tables of other than 4-byte elements, where the spread shape was not
     measured (NOTES, "bag shape, few long bags")."""
     avg = next_pow2(max(1, values // max(1, bags)))
-    spread = spread_ok and spreads(int(bags), avg)
+    spread = spread_ok and spreads(bags, avg)
     if overrides or traced:
         return bag_shape(D, avg, overrides, spread)
     return _bag_shape_cached(D, avg, None, spread)
