@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from embfuse import _handles
-from embfuse._triton import needs_op
+from embfuse._triton import needs_op, tracing
 from embfuse.nn.modules import FusedModule, fused_table
 from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
@@ -197,9 +197,13 @@ class _Collection(FusedModule, _handles.Named, torch.nn.Module):
 
     def _plan(self, keys: list[str], device, tail: bool = False) -> Plan:
         """The Plan of a batch with these keys (its features in this order), made once; `tail`:
-        of a padded batch."""
-        _build_plan(self._embfuse_handle, tuple(keys), str(device), tail)  # (first: a trace sees _plans as it is)
-        return self._plans[(tuple(keys), device, tail)]
+        of a padded batch. `device`: a torch.device with its index, as the weights'."""
+        key = (tuple(keys), device, tail)
+        plan = None if tracing() else self._plans.get(key)  # (eager: no _build_plan call once made)
+        if plan is None:
+            _build_plan(self._embfuse_handle, key[0], str(device), tail)  # (first: a trace sees _plans as it is)
+            plan = self._plans[key]
+        return plan
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
