@@ -146,6 +146,7 @@ def _build_plan(collection: int, keys: tuple, device: str, tail: bool = False) -
     if key not in collection._plans:
         plan = collection._new_plan(keys, key[1])
         plan.tail = tail
+        plan.table_names = [collection.tables[t].name for t in plan.feature_table]
         collection._plans[key] = plan
         _handles.register(plan)
     return True
@@ -275,7 +276,7 @@ class _Collection(FusedModule, _handles.Named, torch.nn.Module):
         keys, B = kjt.keys(), kjt.stride()
         plan = self._plan(keys, self.weights.device)
         values, offsets, _, _ = validate_collection(kjt.values(), kjt.offsets(), None, plan.limits, B, keys,
-                                                    [self.tables[self._table_of[k]].name for k in keys], "sync")
+                                                    plan.table_names, "sync")
         T, dev = len(self.tables), values.device
         starts = torch.tensor(self._row_starts, device=dev)
         feature = bag_of_value(offsets, values.numel()) // max(B, 1)
@@ -414,7 +415,7 @@ class EmbeddingBagCollection(_Collection):
         narrow = not trains and plan.rules is None and tuning.narrows(plan.narrow_dim, kjt.values().numel())
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,
-            [self.tables[self._feature[k][0]].name for k in keys], self.bounds_check, fresh=fresh,
+            plan.table_names, self.bounds_check, fresh=fresh,
             remap=None if resident is None else resident.remap, tail=kjt._padded, narrow=narrow)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
@@ -546,7 +547,7 @@ class EmbeddingCollection(_Collection):
         fused = self._fused_now()
         values, offsets, _, check = validate_collection(
             kjt.values(), kjt.offsets(), None, plan.limits, B, keys,
-            [self.tables[self._table_of[k]].name for k in keys],
+            plan.table_names,
             self.bounds_check, fresh=fused is not None or needs_op(self.weights))
         status = None if check is None else check.status
         # a bad batch's offsets and bags could index anywhere: guarded to 0 (its lookup gives zeros)

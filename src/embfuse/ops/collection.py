@@ -61,6 +61,7 @@ class Plan(_handles.Named):
             self.limits = torch.where(drops, -self.limits, self.limits)
         self.skips = self.rules is not None  # batches after the safe pass hold SKIPPED ids
         self.tail = False  # the plan of padded batches (sparse/padded.py): nn/collection.py sets it
+        self.table_names = None  # each feature's table's name, for messages: nn/collection.py sets it
         self.src_meta = source_meta(self.meta)
         self.total_dim = max((m[OUT_COL] + m[DIM] for m in self.rows), default=0)
         self.max_dim = self.layout.max_dim
