@@ -30,7 +30,7 @@ w = Workload("c", "collection-train", ROWS, 128, B, 50, "powerlaw", 1.05, tables
 kjt = make_batch(w, DEV)
 F, D = w.tables, w.dim
 ebc = make_collection(w, DEV)
-plan = ebc._plan(kjt.keys(), DEV)
+plan = ebc._plan(kjt.keys(), ebc.weights.device)
 values, offsets = kjt.values(), kjt.offsets()
 keys, bag, _ = backward_inputs(values, offsets, None, plan.meta, B, wide_keys=plan.layout.wide_keys,
                                scaled=plan.scaled, kernel=True)
