@@ -189,7 +189,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
         return out
-    cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing(), spread_ok=weights.element_size() == 4)
+    cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing(), weights.element_size())
     ln_w, ln_b, eps, act = epilogue if epilogue is not None else (None, None, 0.0, "none")
     if epilogue is not None and (cfg["BLOCK_D"] < max_dim or total_dim != F * max_dim):
         raise ValueError(f"a LayerNorm epilogue needs every feature {max_dim} wide and at most 256 wide")

@@ -36,19 +36,21 @@ _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 SPREAD_BAGS = ((1024, 64),)
 
 
-def spreads(bags: int, avg_pow2: int) -> bool:
-    """Whether a launch of `bags` bags of about `avg_pow2` ids takes bag_shape's `spread` shape."""
-    return any(bags <= most and avg_pow2 >= least for most, least in SPREAD_BAGS)
+def spreads(bags: int, avg_pow2: int, element_size: int = 4, max_pool: bool = False) -> bool:
+    """Whether a launch of `bags` bags of about `avg_pow2` ids takes bag_shape's `spread` shape:
+    never for max pooling, whose tiles carry two int64 index arrays (four warps lost there), nor
+    for tables of other than 4-byte elements, where it was not measured (NOTES, "bag shape, few
+    long bags")."""
+    return (element_size == 4 and not max_pool
+            and any(bags <= most and avg_pow2 >= least for most, least in SPREAD_BAGS))
 
 
 def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False,
-                  spread_ok: bool = True) -> dict:
-    """bag_shape for `values` ids over `bags` bags of width D, cached for eager calls.
-    `spread_ok`: False for max pooling, whose tiles carry two int64 index arrays (four warps
-    lost there), and for tables of other than 4-byte elements, where the spread shape was not
-    measured (NOTES, "bag shape, few long bags")."""
+                  element_size: int = 4, max_pool: bool = False) -> dict:
+    """bag_shape for `values` ids over `bags` bags of width D (a table of `element_size`-byte
+    elements, pooled by max or not: `spreads`), cached for eager calls."""
     avg = next_pow2(max(1, values // max(1, bags)))
-    spread = spread_ok and spreads(bags, avg)
+    spread = spreads(bags, avg, element_size, max_pool)
     if overrides or traced:
         return bag_shape(D, avg, overrides, spread)
     return _bag_shape_cached(D, avg, None, spread)
