@@ -228,7 +228,9 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     count = tl.zeros([BLOCK_L], dtype=tl.int32)
     wsum = tl.zeros([BLOCK_L], dtype=tl.float32)
-    for s in range(start, end, BLOCK_L):
+    # weighted bags of narrow tiles unrolled four steps: ptxas unrolls the unweighted loop by itself,
+    # not this one; at 128 columns the unroll lost on collections (NOTES, session 38, "weighted bags")
+    for s in tl.range(start, end, BLOCK_L, loop_unroll_factor=(4 if BLOCK_D <= 64 else 1) if HAS_PSW else 1):
         pos = s + lane
         lmask = pos < end
         ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)
