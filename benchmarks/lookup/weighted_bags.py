@@ -26,7 +26,10 @@ ROWS = 2_000_000
 def one_table(D, B, L, flush):
     """(plain, weighted) us; L None: 1-99 ids a bag."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    lengths = torch.randint(1, 100, (B,), device="cuda", generator=g) if L is None else torch.full((B,), L, device="cuda")
+    if L is None:
+        lengths = torch.randint(1, 100, (B,), device="cuda", generator=g)
+    else:
+        lengths = torch.full((B,), L, device="cuda")
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
     n = int(lengths.sum())
     ids = generate_ids(Workload("t", "bag", ROWS, D, B, 64, "powerlaw", 1.05), n, "cuda", g)

@@ -39,8 +39,8 @@ SPREAD_BAGS = ((1024, 64),)
 def spreads(bags: int, avg_pow2: int, element_size: int = 4, max_pool: bool = False) -> bool:
     """Whether a launch of `bags` bags of about `avg_pow2` ids takes bag_shape's `spread` shape:
     never for max pooling, whose tiles carry two int64 index arrays (four warps lost there), nor
-    for tables of other than 4-byte elements, where it was not measured (NOTES, "bag shape, few
-    long bags")."""
+    for tables of other than 4-byte elements (bf16 gained only at rows of 256 bytes or more, and
+    fp16 is not measured: NOTES, "bag shape, few long bags")."""
     return (element_size == 4 and not max_pool
             and any(bags <= most and avg_pow2 >= least for most, least in SPREAD_BAGS))
 
