@@ -47,6 +47,7 @@ META_COLUMNS = 7
 # the kernels' copies (see _triton.constexprs)
 K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN, K_SKIPPED = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN, SKIPPED)
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
+K_UNROLL_COLUMNS, K_UNROLL_STEPS = constexprs(*tuning.WEIGHTED_UNROLL)
 
 
 def _single_meta(rows: int, dim: int, mode: int, device) -> Tensor:
@@ -228,9 +229,9 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     count = tl.zeros([BLOCK_L], dtype=tl.int32)
     wsum = tl.zeros([BLOCK_L], dtype=tl.float32)
-    # weighted bags of narrow tiles unrolled four steps: ptxas unrolls the unweighted loop by itself,
-    # not this one; at 128 columns the unroll lost on collections (NOTES, session 38, "weighted bags")
-    for s in tl.range(start, end, BLOCK_L, loop_unroll_factor=(4 if BLOCK_D <= 64 else 1) if HAS_PSW else 1):
+    # weighted bags of narrow tiles unrolled (tuning.WEIGHTED_UNROLL)
+    for s in tl.range(start, end, BLOCK_L,
+                      loop_unroll_factor=(K_UNROLL_STEPS if BLOCK_D <= K_UNROLL_COLUMNS else 1) if HAS_PSW else 1):
         pos = s + lane
         lmask = pos < end
         ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)

@@ -29,6 +29,11 @@ def bag_shape(D: int, avg_bag: float, overrides: dict | None = None, spread: boo
 
 _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 
+# weighted bags on tiles of at most this many columns unroll the pooling loop this many steps:
+# ptxas unrolls the unweighted loop by itself, not the weighted one; at 128 columns the unroll
+# lost on checked collections (NOTES: "weighted loop unroll")
+WEIGHTED_UNROLL = (64, 4)
+
 # few long bags spread a program over four warps: (bags a launch at most, their mean length
 # rounded up to a power of two at least). With one warp a bag, so few bags leave most of the
 # GPU's warp slots empty while each bag's steps wait on memory in turn (NOTES: "bag shape, few
