@@ -14,7 +14,7 @@ import sys
 import torch
 
 import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload, generate_ids
 
 sys.path.insert(0, "benchmarks/residency")
@@ -46,9 +46,7 @@ def collection(D, B, flush):
                                          lengths=kjt.lengths(), stride=B)
     times = []
     for is_weighted, batch in ((False, kjt), (True, weighted)):
-        ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(r, D, f"t{i}", feature_names=[f"f{i}"])
-                                              for i, r in enumerate(table_rows(w))], device="cuda",
-                                             is_weighted=is_weighted)
+        ebc = make_collection(w, "cuda", is_weighted=is_weighted)
         with torch.no_grad():
             times.append(gpu_us(lambda: ebc(batch), flush))
         del ebc

@@ -46,15 +46,15 @@ def make_batch(w: Workload, device, seed: int = 0, rows=None) -> embfuse.KeyedJa
 
 
 def make_collection(w: Workload, device, optimizer=None, data_type=torch.float32,
-                    hot_rows=0, bounds_check="deferred") -> embfuse.EmbeddingBagCollection:
+                    hot_rows=0, bounds_check="deferred", is_weighted=False) -> embfuse.EmbeddingBagCollection:
     """The workload's tables as one embfuse.EmbeddingBagCollection, table i read by feature f{i}
-    (make_batch's keys); checked as a user gets it unless `bounds_check` says. With `hot_rows`
-    (training) the hot set comes from another batch (seed 1), stepped once here, and stays; every
-    batch takes the hot path, whatever its size."""
+    (make_batch's keys; batches with weights when `is_weighted`); checked as a user gets it unless
+    `bounds_check` says. With `hot_rows` (training) the hot set comes from another batch (seed 1),
+    stepped once here, and stays; every batch takes the hot path, whatever its size."""
     ebc = embfuse.EmbeddingBagCollection(
         [embfuse.EmbeddingBagConfig(r, w.dim, f"t{i}", feature_names=[f"f{i}"], data_type=data_type)
          for i, r in enumerate(table_rows(w))], device=device, optimizer=optimizer, bounds_check=bounds_check,
-        hot_rows=hot_rows, hot_refresh=2**62, hot_min_values=0)
+        hot_rows=hot_rows, hot_refresh=2**62, hot_min_values=0, is_weighted=is_weighted)
     if hot_rows:
         ebc(make_batch(w, device, seed=1)).values().sum().backward()
     return ebc
