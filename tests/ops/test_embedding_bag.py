@@ -34,18 +34,21 @@ def _case(D, dtype, index_dtype, weighted, device=KERNEL_DEVICE, num_bags=7, N=4
 @pytest.mark.parametrize("mode,weighted", [(SUM, False), (MEAN, False), (SQRTN, True), (WMEAN, True), (MAX, False)])
 def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_warps):
     """A launch of few bags of many ids takes the spread shape (tuning.spreads: 512 elements, four
-    warps) on fp32 tables outside max pooling, the one-warp shape otherwise; its results match the
-    float64 reference as the usual shape's do."""
+    warps) outside max pooling on fp32 tables and on 2-byte ones of rows of 256 bytes or more, the
+    one-warp shape otherwise; its results match the float64 reference as the usual shape's do."""
     lengths = torch.tensor([90, 0, 1, 130, 64, 70])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
     n, B = int(lengths.sum()), lengths.numel()
     assert tuning.pooling_shape(D, n, 4096)["num_warps"] == 1  # many bags keep one warp
+    assert tuning.pooling_shape(128, 1024 * 64, 1024)["num_warps"] == 4
+    assert tuning.pooling_shape(128, 1024 * 64, 1024, element_size=2)["num_warps"] == 1  # 2 bytes: up to 512
+    assert tuning.pooling_shape(128, 512 * 64, 512, element_size=2)["num_warps"] == 4
     pooling_warps.clear()
     weight = torch.randn(300, D).to(KERNEL_DEVICE, dtype)
     ids = torch.randint(0, 300, (n,), device=KERNEL_DEVICE)
     psw = torch.rand(n, device=KERNEL_DEVICE) + 0.5 if weighted else None
     out, max_ids = embedding_bag_forward(weight, ids, offsets, psw, mode, -1)
-    assert pooling_warps == [4 if dtype == torch.float32 and mode != MAX else 1]
+    assert pooling_warps == [4 if mode != MAX and (dtype == torch.float32 or D * 2 >= 256) else 1]
     ref, ref_ids = embedding_bag_reference(weight.double(), ids, offsets, None if psw is None else psw.double(), mode,
                                            -1)
     assert_close(out, ref, dtype, reduction=130)

@@ -34,20 +34,23 @@ _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 # lost on checked collections (NOTES: "weighted loop unroll")
 WEIGHTED_UNROLL = (64, 4)
 
-# few long bags spread a program over four warps: (bags a launch at most, their mean length
-# rounded up to a power of two at least). With one warp a bag, so few bags leave most of the
-# GPU's warp slots empty while each bag's steps wait on memory in turn (NOTES: "bag shape, few
-# long bags"; shorter bags or more of them keep one warp: at 2048 bags the measurements split)
-SPREAD_BAGS = ((1024, 64),)
+# few long bags spread a program over four warps. With one warp a bag, few bags leave most of
+# the GPU's warp slots empty while each bag's steps wait on memory in turn. By table element size:
+# (bags a launch at most, their mean length rounded up to a power of two at least, row bytes at
+# least). fp32: at 2048 bags the measurements split. 2-byte tables: rows under 256 bytes tied or
+# lost, and the checked eager call lost at 1024 bags (NOTES: "bag shape, few long bags")
+SPREAD_BAGS = {4: (1024, 64, 0), 2: (512, 64, 256)}
 
 
-def spreads(bags: int, avg_pow2: int, element_size: int = 4, max_pool: bool = False) -> bool:
-    """Whether a launch of `bags` bags of about `avg_pow2` ids takes bag_shape's `spread` shape:
-    never for max pooling, whose tiles carry two int64 index arrays (four warps lost there), nor
-    for tables of other than 4-byte elements (bf16 gained only at rows of 256 bytes or more, and
-    fp16 is not measured: NOTES, "bag shape, few long bags")."""
-    return (element_size == 4 and not max_pool
-            and any(bags <= most and avg_pow2 >= least for most, least in SPREAD_BAGS))
+def spreads(bags: int, avg_pow2: int, D: int, element_size: int = 4, max_pool: bool = False) -> bool:
+    """Whether a launch of `bags` bags of about `avg_pow2` ids, D wide, takes bag_shape's `spread`
+    shape (SPREAD_BAGS); never for max pooling, whose tiles carry two int64 index arrays (four
+    warps lost there)."""
+    rule = SPREAD_BAGS.get(element_size)
+    if rule is None or max_pool:
+        return False
+    most_bags, least_avg, least_row_bytes = rule
+    return bags <= most_bags and avg_pow2 >= least_avg and D * element_size >= least_row_bytes
 
 
 def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False,
@@ -55,7 +58,7 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
     """bag_shape for `values` ids over `bags` bags of width D (a table of `element_size`-byte
     elements, pooled by max or not: `spreads`), cached for eager calls."""
     avg = next_pow2(max(1, values // max(1, bags)))
-    spread = spreads(bags, avg, element_size, max_pool)
+    spread = spreads(bags, avg, D, element_size, max_pool)
     if overrides or traced:
         return bag_shape(D, avg, overrides, spread)
     return _bag_shape_cached(D, avg, None, spread)
