@@ -40,9 +40,9 @@ def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_wa
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
     n, B = int(lengths.sum()), lengths.numel()
     assert tuning.pooling_shape(D, n, 4096)["num_warps"] == 1  # many bags keep one warp
-    assert tuning.pooling_shape(128, 1024 * 64, 1024)["num_warps"] == 4
-    assert tuning.pooling_shape(128, 1024 * 64, 1024, element_size=2)["num_warps"] == 1  # 2 bytes: up to 512
-    assert tuning.pooling_shape(128, 512 * 64, 512, element_size=2)["num_warps"] == 4
+    for size, folded, most in ((4, False, 1024), (4, True, 1024), (2, False, 1024), (2, True, 512)):
+        assert tuning.pooling_shape(128, most * 64, most, element_size=size, folded=folded)["num_warps"] == 4
+        assert tuning.pooling_shape(128, most * 128, most * 2, element_size=size, folded=folded)["num_warps"] == 1
     pooling_warps.clear()
     weight = torch.randn(300, D).to(KERNEL_DEVICE, dtype)
     ids = torch.randint(0, 300, (n,), device=KERNEL_DEVICE)
@@ -54,6 +54,26 @@ def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_wa
     assert_close(out, ref, dtype, reduction=130)
     if mode == MAX and dtype == torch.float32:
         assert torch.equal(max_ids, ref_ids)
+
+
+@requires_kernels
+@pytest.mark.parametrize("folded", [False, True])
+def test_a_folded_check_spreads_fewer_bags_of_two_byte_tables(folded, pooling_warps, monkeypatch):
+    """2-byte tables spread fewer bags a launch when the batch's check is folded into it
+    (tuning.Spread.folded_bags). With that bound lowered below this launch's 6 bags, the folded
+    launch keeps one warp and the other spreads; both pool what the reference pools."""
+    monkeypatch.setitem(tuning.SPREAD, 2, tuning.SPREAD[2]._replace(folded_bags=4))
+    lengths = torch.tensor([90, 0, 1, 130, 64, 70])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
+    weight = torch.randn(300, 129).to(KERNEL_DEVICE, torch.bfloat16)
+    ids = torch.randint(0, 300, (int(lengths.sum()),), device=KERNEL_DEVICE)
+    *_, check = validate_bags(ids, offsets, 300, None, kernel=True, fresh=False, fold=folded)
+    assert (check.pending is not None) == folded
+    out, _ = embedding_bag_forward(weight, ids, offsets, None, SUM, -1, check=check)
+    assert pooling_warps == [1 if folded else 4]
+    embfuse.check_errors()
+    assert_close(out, embedding_bag_reference(weight.double(), ids, offsets, None, SUM, -1)[0], torch.bfloat16,
+                 reduction=130)
 
 
 @requires_kernels

@@ -169,7 +169,8 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
         status = check.status if folded is None else None
     if B == 0 or D == 0:
         return out, max_ids
-    cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing(), weight.element_size(), mode == MAX)
+    cfg = tuning.pooling_shape(D, indices.numel(), B, config, tracing(), weight.element_size(), mode == MAX,
+                               folded is not None)
     # (a tensor the kernel does not read goes as None, a constexpr: each tensor argument costs
     # about a microsecond of host time a launch, benchmarks/NOTES.md session 26)
     args = (weight, indices, offsets, per_sample_weights)

@@ -8,6 +8,7 @@ Sizes may be SymInts while tracing: rules take plain arithmetic and only eager c
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from embfuse._triton import next_pow2
 
@@ -34,31 +35,41 @@ _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 # lost on checked collections (NOTES: "weighted loop unroll")
 WEIGHTED_UNROLL = (64, 4)
 
-# few long bags spread a program over four warps. With one warp a bag, few bags leave most of
-# the GPU's warp slots empty while each bag's steps wait on memory in turn. By table element size:
-# (bags a launch at most, their mean length rounded up to a power of two at least, row bytes at
-# least). fp32: at 2048 bags the measurements split. 2-byte tables: rows under 256 bytes tied or
-# lost, and the checked eager call lost at 1024 bags (NOTES: "bag shape, few long bags")
-SPREAD_BAGS = {4: (1024, 64, 0), 2: (512, 64, 256)}
+class Spread(NamedTuple):
+    """Where few long bags spread a program over four warps (bag_shape's `spread`), for one table
+    element size."""
+    bags: int  # bags a launch at most
+    folded_bags: int  # bags at most when the launch also runs the batch's check (ops/deferred.py take_fold)
+    avg_pow2: int  # their mean length, rounded up to a power of two, at least
+    row_bytes: int  # bytes a row at least
 
 
-def spreads(bags: int, avg_pow2: int, D: int, element_size: int = 4, max_pool: bool = False) -> bool:
+# with one warp a bag, few bags leave most of the GPU's warp slots empty while each bag's steps
+# wait on memory in turn. fp32: at 2048 bags the measurements split. 2-byte tables: rows under 256
+# bytes tied or lost, and with the check folded in (small eager calls) 1024 bags lost while the
+# same launch without it gained (NOTES: "bag shape, few long bags")
+SPREAD = {4: Spread(1024, 1024, 64, 0), 2: Spread(1024, 512, 64, 256)}
+
+
+def spreads(bags: int, avg_pow2: int, D: int, element_size: int = 4, max_pool: bool = False,
+            folded: bool = False) -> bool:
     """Whether a launch of `bags` bags of about `avg_pow2` ids, D wide, takes bag_shape's `spread`
-    shape (SPREAD_BAGS); never for max pooling, whose tiles carry two int64 index arrays (four
-    warps lost there)."""
-    rule = SPREAD_BAGS.get(element_size)
+    shape (SPREAD); never for max pooling, whose tiles carry two int64 index arrays (four warps
+    lost there)."""
+    rule = SPREAD.get(element_size)
     if rule is None or max_pool:
         return False
-    most_bags, least_avg, least_row_bytes = rule
-    return bags <= most_bags and avg_pow2 >= least_avg and D * element_size >= least_row_bytes
+    return (bags <= (rule.folded_bags if folded else rule.bags) and avg_pow2 >= rule.avg_pow2
+            and D * element_size >= rule.row_bytes)
 
 
 def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None, traced: bool = False,
-                  element_size: int = 4, max_pool: bool = False) -> dict:
+                  element_size: int = 4, max_pool: bool = False, folded: bool = False) -> dict:
     """bag_shape for `values` ids over `bags` bags of width D (a table of `element_size`-byte
-    elements, pooled by max or not: `spreads`), cached for eager calls."""
+    elements, pooled by max or not, the check folded into the launch or not: `spreads`), cached
+    for eager calls."""
     avg = next_pow2(max(1, values // max(1, bags)))
-    spread = spreads(bags, avg, D, element_size, max_pool)
+    spread = spreads(bags, avg, D, element_size, max_pool, folded)
     if overrides or traced:
         return bag_shape(D, avg, overrides, spread)
     return _bag_shape_cached(D, avg, None, spread)
