@@ -6,7 +6,7 @@ three max-pooling cases), every tile of 256-4096 elements x 1-8 warps against th
 rounds, B 128-4096 x L 48-300 x D 32-256 (L100 weighted), and four collections of 1-8 features.
 The kernels alone (bounds_check "off"), do_bench medians (the L2 flushed). JSON to $OUT.
 The tables are fp32 unless a dtype is named (bf16: session 38, fp16: session 39; 2-byte tables
-gain only at rows of 256 bytes or more, and the rule takes them at up to 512 bags: few_bags_public.py).
+gain only at rows of 256 bytes or more; few_bags_public.py times them through public calls).
 
     PYTHONPATH=src python3 benchmarks/lookup/sweep_few_bags.py grid|pair [float16|bfloat16]
 """
