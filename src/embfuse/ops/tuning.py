@@ -35,6 +35,7 @@ _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 # lost on checked collections (NOTES: "weighted loop unroll")
 WEIGHTED_UNROLL = (64, 4)
 
+
 class Spread(NamedTuple):
     """Where few long bags spread a program over four warps (bag_shape's `spread`), for one table
     element size."""
