@@ -1,5 +1,5 @@
 """Few long bags with 2-byte tables through the public call (tuning.spreads; benchmarks/NOTES.md,
-session 39): `embfuse.nn.EmbeddingBag` with its default check, bf16 and fp16, D128/D256, B256-1024
+session 39): `embfuse.nn.EmbeddingBag` with its default check, fp32, bf16 and fp16, D128/D256, B256-1024
 x L64-150 (L100 weighted), power-law ids over 1M rows. GPU time alone (residency/gpu_time.py: the
 L2 flushed, the host's enqueue hidden), eager and CUDA-graph replay; for D128 B1024 L64 the eager
 kernels' own times from the profiler. Run it once per tree to compare two rules.
@@ -44,7 +44,7 @@ def kernel_times(f, flush) -> str:
 def main():
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     print(torch.cuda.get_device_name(), embfuse.__file__)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for D, B, L, weighted in CASES:
             g = torch.Generator(device="cuda").manual_seed(0)
             bag = embfuse.nn.EmbeddingBag(1_000_000, D, mode="sum", device="cuda", dtype=dtype)

@@ -40,7 +40,7 @@ def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_wa
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
     n, B = int(lengths.sum()), lengths.numel()
     assert tuning.pooling_shape(D, n, 4096)["num_warps"] == 1  # many bags keep one warp
-    for size, folded, most in ((4, False, 1024), (4, True, 1024), (2, False, 1024), (2, True, 512)):
+    for size, folded, most in ((4, False, 1024), (4, True, 512), (2, False, 1024), (2, True, 512)):
         assert tuning.pooling_shape(128, most * 64, most, element_size=size, folded=folded)["num_warps"] == 4
         assert tuning.pooling_shape(128, most * 128, most * 2, element_size=size, folded=folded)["num_warps"] == 1
     pooling_warps.clear()
@@ -58,10 +58,11 @@ def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_wa
 
 @requires_kernels
 @pytest.mark.parametrize("folded", [False, True])
-def test_a_folded_check_spreads_fewer_bags_of_two_byte_tables(folded, pooling_warps, monkeypatch):
-    """2-byte tables spread fewer bags a launch when the batch's check is folded into it
-    (tuning.Spread.folded_bags). With that bound lowered below this launch's 6 bags, the folded
-    launch keeps one warp and the other spreads; both pool what the reference pools."""
+def test_a_folded_check_spreads_fewer_bags(folded, pooling_warps, monkeypatch):
+    """A launch spreads fewer bags when the batch's check is folded into it
+    (tuning.Spread.folded_bags). With that bound lowered below this launch's 6 bags (of a bf16
+    table), the folded launch keeps one warp and the other spreads; both pool what the
+    reference pools."""
     monkeypatch.setitem(tuning.SPREAD, 2, tuning.SPREAD[2]._replace(folded_bags=4))
     lengths = torch.tensor([90, 0, 1, 130, 64, 70])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
