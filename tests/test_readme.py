@@ -45,7 +45,7 @@ def test_readme_sharded_example_runs_under_torchrun_and_prints_its_plan(tmp_path
     import subprocess
     import sys
 
-    from tests.distributed.worlds import free_port
+    from tests.distributed.worlds import TORCHRUN_TIMEOUT, free_port
 
     root = Path(__file__).parent.parent
     text = (root / "README.md").read_text()
@@ -55,6 +55,6 @@ def test_readme_sharded_example_runs_under_torchrun_and_prints_its_plan(tmp_path
     env = dict(os.environ, PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                           str(free_port()), str(tmp_path / "sharded.py")], env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=TORCHRUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == printed

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from embfuse.bench.distributed import overlap_summary
-from tests.distributed.worlds import free_port
+from tests.distributed.worlds import TORCHRUN_TIMEOUT, free_port
 
 
 def test_the_distributed_bench_runs_under_torchrun_on_gloo(tmp_path):
@@ -17,7 +17,7 @@ def test_the_distributed_bench_runs_under_torchrun_on_gloo(tmp_path):
                           str(free_port()), "-m", "embfuse.cli", "bench", "--distributed", "--device", "cpu",
                           "--batch-size", "32", "--rows", "500", "--dim", "4", "--hotness", "2", "--steps", "2",
                           "--warmup", "1", "--comm-dtype", "bf16", "--compiled", "--profile", "--out", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ShardingPlan over 2 rank(s)" in run.stdout and "examples/s" in run.stdout
     result = json.loads((tmp_path / "distributed-2.json").read_text())

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.worlds import free_port
+from tests.distributed.worlds import TORCHRUN_TIMEOUT, free_port
 
 
 # The ranks split each global batch and add their gradients in another order than one process
@@ -23,7 +23,7 @@ def _demo(world, out):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                           "--master_port", str(free_port()), "-m", "embfuse.cli", "demo", "--data", "synthetic",
                           "--samples", "6000", "--rows", "300", "--epochs", "2", "--batch-size", "256", "--device",
-                          "cpu", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+                          "cpu", "--out", str(out)], env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = {m[0]: m[1] for m in re.findall(r"(sharded, \w+ +epoch \d): (.*)", run.stdout)}
     assert len(lines) == 4, run.stdout

@@ -9,6 +9,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# the hang guard of a torchrun subprocess: the distributed bench's run took about 95 s alone on
+# a 16-core GPU host and 280-300 s (past the former 300 s guard once) beside 15 other pytest
+# workers there (benchmarks/NOTES.md, session 39)
+TORCHRUN_TIMEOUT = 540
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
