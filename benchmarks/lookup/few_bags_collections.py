@@ -27,7 +27,8 @@ for dt in (torch.bfloat16, torch.float16):
         with torch.no_grad():
             f = lambda: ebc(kjt)
             f()
-            res.append(f"{str(dt)[6:]} collection F{F} B{B} L{L} ({kjt.values().numel()} ids) eager {gpu_us(f, flush):.1f} "
+            res.append(f"{str(dt)[6:]} collection F{F} B{B} L{L} ({kjt.values().numel()} ids) "
+                       f"eager {gpu_us(f, flush):.1f} "
                        f"replay {gpu_us(captured(f), flush):.1f}")
         del ebc; torch.cuda.empty_cache()
 print(embfuse.__file__); print("\n".join(res), flush=True)

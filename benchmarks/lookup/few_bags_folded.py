@@ -19,7 +19,8 @@ from embfuse.bench.collection import make_batch, table_rows
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "residency"))
 from gpu_time import gpu_us, captured  # noqa: E402
 flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-NEVER, ALWAYS = {4: Spread(0, 0, 64, 0), 2: Spread(0, 0, 64, 256)}, {4: Spread(4096, 4096, 64, 0), 2: Spread(4096, 4096, 64, 256)}
+NEVER = {4: Spread(0, 0, 64, 0), 2: Spread(0, 0, 64, 256)}
+ALWAYS = {4: Spread(4096, 4096, 64, 0), 2: Spread(4096, 4096, 64, 256)}
 print(torch.cuda.get_device_name(), flush=True)
 
 
@@ -32,7 +33,8 @@ def ab(label, f):
             t[name][0].append(gpu_us(f, flush))
             t[name][1].append(gpu_us(captured(f), flush))
     e1, r1, e4, r4 = min(t["one"][0]), min(t["one"][1]), min(t["four"][0]), min(t["four"][1])
-    print(f"{label}: eager {e1:.1f} -> {e4:.1f} ({100*(e4/e1-1):+.0f}%), replay {r1:.1f} -> {r4:.1f} ({100*(r4/r1-1):+.0f}%)",
+    print(f"{label}: eager {e1:.1f} -> {e4:.1f} ({100*(e4/e1-1):+.0f}%), "
+          f"replay {r1:.1f} -> {r4:.1f} ({100*(r4/r1-1):+.0f}%)",
           flush=True)
 
 

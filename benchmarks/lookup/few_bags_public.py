@@ -55,7 +55,8 @@ def main():
                     return bag(ids, per_sample_weights=psw)
                 f()
                 name = f"{str(dtype)[6:]} D{D} B{B} L{L}{' weighted' if weighted else ''}"
-                print(f"{name}: eager {gpu_us(f, flush):.1f} us, replay {gpu_us(captured(f), flush):.1f} us", flush=True)
+                eager, replay = gpu_us(f, flush), gpu_us(captured(f), flush)
+                print(f"{name}: eager {eager:.1f} us, replay {replay:.1f} us", flush=True)
                 if (D, B, L, weighted) == PROFILED:
                     print(f"{name} eager kernels (us): {kernel_times(f, flush)}", flush=True)
             del bag

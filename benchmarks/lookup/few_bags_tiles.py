@@ -52,7 +52,8 @@ for D in (32, 128):
         with torch.no_grad():
             for _ in range(3):
                 for k, cfg in SHAPES.items():
-                    tuning.pooling_shape = lambda D_, v, b, c=None, tr=False, *a, cfg=cfg, **kw: plain(D_, v, b, cfg, True)
+                    tuning.pooling_shape = (lambda D_, v, b, c=None, tr=False, *a, cfg=cfg, **kw:
+                                            plain(D_, v, b, cfg, True))
                     bag(ids)
                     t[k].append(gpu_us(lambda: bag(ids), flush))
         tuning.pooling_shape = plain
