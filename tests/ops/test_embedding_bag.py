@@ -60,10 +60,10 @@ def test_few_long_bags_pool_over_four_warps(D, dtype, mode, weighted, pooling_wa
 @pytest.mark.parametrize("folded", [False, True])
 def test_a_folded_check_spreads_fewer_bags(folded, pooling_warps, monkeypatch):
     """A launch spreads fewer bags when the batch's check is folded into it
-    (tuning.Spread.folded_bags). With that bound lowered below this launch's 6 bags (of a bf16
+    (tuning.FOLDED_BAGS). With that bound lowered below this launch's 6 bags (of a bf16
     table), the folded launch keeps one warp and the other spreads; both pool what the
     reference pools."""
-    monkeypatch.setitem(tuning.SPREAD, 2, tuning.SPREAD[2]._replace(folded_bags=4))
+    monkeypatch.setattr(tuning, "FOLDED_BAGS", 4)
     lengths = torch.tensor([90, 0, 1, 130, 64, 70])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
     weight = torch.randn(300, 129).to(KERNEL_DEVICE, torch.bfloat16)

@@ -39,8 +39,7 @@ WEIGHTED_UNROLL = (64, 4)
 class Spread(NamedTuple):
     """Where few long bags spread a program over four warps (bag_shape's `spread`), for one table
     element size."""
-    bags: int  # bags a launch at most
-    folded_bags: int  # bags at most when the launch also runs the batch's check (ops/deferred.py take_fold)
+    bags: int  # bags a launch at most (FOLDED_BAGS at most where the launch also runs the check)
     avg_pow2: int  # their mean length, rounded up to a power of two, at least
     row_bytes: int  # bytes a row at least
 
@@ -49,8 +48,9 @@ class Spread(NamedTuple):
 # wait on memory in turn. At 2048 bags the measurements split (collections of 4-8 features tied or
 # gained up to 26%, of 1-2 features lost 3-11%). 2-byte tables: rows under 256 bytes tied or lost.
 # With the check folded in (small eager calls), 1024 bags of 64 ids lost 5-45% while the same
-# launch without it gained (NOTES: "bag shape, few long bags")
-SPREAD = {4: Spread(1024, 512, 64, 0), 2: Spread(1024, 512, 64, 256)}
+# launch without it gained, in fp32 as in bf16 (NOTES: "bag shape, few long bags")
+SPREAD = {4: Spread(1024, 64, 0), 2: Spread(1024, 64, 256)}
+FOLDED_BAGS = 512  # a launch that also runs the batch's check (ops/deferred.py take_fold)
 
 
 def spreads(bags: int, avg_pow2: int, D: int, element_size: int = 4, max_pool: bool = False,
@@ -61,7 +61,7 @@ def spreads(bags: int, avg_pow2: int, D: int, element_size: int = 4, max_pool: b
     rule = SPREAD.get(element_size)
     if rule is None or max_pool:
         return False
-    return (bags <= (rule.folded_bags if folded else rule.bags) and avg_pow2 >= rule.avg_pow2
+    return (bags <= (min(rule.bags, FOLDED_BAGS) if folded else rule.bags) and avg_pow2 >= rule.avg_pow2
             and D * element_size >= rule.row_bytes)
 
 
