@@ -67,6 +67,19 @@ def test_max_norm_and_empty(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("freq", [False, True])
+def test_an_empty_input_has_a_zero_gradient(device, sparse, freq):
+    """torch 2.11's CUDA F.embedding raises "invalid argument" in this backward with
+    scale_grad_by_freq (benchmarks/NOTES.md, session 40)."""
+    w = torch.randn(7, 5, device=device, requires_grad=True)
+    out = embfuse.embedding(torch.zeros(0, 3, dtype=torch.long, device=device), w, scale_grad_by_freq=freq,
+                            sparse=sparse)
+    out.sum().backward()
+    assert w.grad.is_sparse == sparse and torch.equal(w.grad.to_dense(), torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_and_compile(device):
     w = torch.randn(20, 8, device=device, requires_grad=True)
     ids = torch.randint(0, 20, (9,), device=device)
