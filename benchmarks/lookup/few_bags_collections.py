@@ -12,7 +12,7 @@ import sys
 import torch
 
 import embfuse
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "residency"))
 from gpu_time import gpu_us, captured  # noqa: E402
@@ -22,8 +22,7 @@ for dt in (torch.bfloat16, torch.float16):
     for F, B, L in ((2, 512, 150), (4, 128, 150), (1, 1024, 64), (2, 512, 64), (4, 256, 100)):
         w = Workload("c", "collection", 500_000, 128, B, L, "powerlaw", 1.05, tables=F)
         kjt = make_batch(w, "cuda")
-        ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(r, 128, f"t{i}", feature_names=[f"f{i}"],
-                                              data_type=dt) for i, r in enumerate(table_rows(w))], device="cuda")
+        ebc = make_collection(w, "cuda", data_type=dt)
         with torch.no_grad():
             f = lambda: ebc(kjt)
             f()

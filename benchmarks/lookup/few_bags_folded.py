@@ -15,7 +15,7 @@ import embfuse
 from embfuse.ops import tuning
 from embfuse.ops.tuning import Spread
 from embfuse.bench.workloads import Workload, generate_ids
-from embfuse.bench.collection import make_batch, table_rows
+from embfuse.bench.collection import make_batch, make_collection
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "residency"))
 from gpu_time import gpu_us, captured  # noqa: E402
 flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -52,7 +52,6 @@ with torch.no_grad():
         for F, B, L in ((1, 2048, 150), (2, 1024, 150), (4, 512, 150), (8, 256, 150), (4, 512, 64), (8, 256, 64)):
             w = Workload("c", "collection", 500_000, 128, B, L, "powerlaw", 1.05, tables=F)
             kjt = make_batch(w, "cuda")
-            ebc = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(r, 128, f"t{i}", feature_names=[f"f{i}"],
-                                                  data_type=dt) for i, r in enumerate(table_rows(w))], device="cuda")
+            ebc = make_collection(w, "cuda", data_type=dt)
             ab(f"{str(dt)[6:]} collection F{F} B{B} L{L}", lambda: ebc(kjt))
             del ebc; torch.cuda.empty_cache()
