@@ -19,7 +19,7 @@ import embfuse
 from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from embfuse.ops import tuning
 from embfuse.optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from tests.tolerances import TOL
+from tests.tolerances import TOL, assert_close
 
 DIMS = [1, 2, 3, 4, 5, 8, 16, 31, 32, 33, 64, 100, 128, 129, 200, 256, 257, 384, 512, 1000]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -48,11 +48,11 @@ def push_rules(r: random.Random, monkeypatch) -> None:
 
 def close(name, actual, expected, dtype, reduction, peer=None):
     """Within the tolerance table, or no further from float64 than twice torch's `peer` is."""
+    if peer is None:
+        assert_close(actual.detach(), expected.detach(), dtype, reduction)
+        return
     rtol, atol = TOL[dtype]
     ours, exact = actual.detach().double().cpu(), expected.detach().double().cpu()
-    if peer is None:
-        torch.testing.assert_close(ours, exact, rtol=rtol, atol=atol * max(1, reduction), msg=lambda m: f"{name}: {m}")
-        return
     err = (ours - exact).abs()
     allowed = 2 * (peer.detach().double().cpu() - exact).abs() + rtol * exact.abs() + atol * max(1, reduction)
     assert (err <= allowed).all(), f"{name}: {int((err > allowed).sum())} of {err.numel()} past twice torch's error"
