@@ -76,7 +76,9 @@ def grad_weights(B, width, step, rank):
     return torch.randn(B, width, generator=torch.Generator().manual_seed(77 + 31 * step + rank))
 
 
-def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu", hot_rows=0):
+def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu", hot_rows=0, sizes=None):
+    """`sizes`: each rank's batch size (3 + rank when None)."""
+    sizes = [3 + r for r in range(world)] if sizes is None else sizes
     torch.manual_seed(5)
     hot = dict(hot_rows=hot_rows, hot_min_values=0) if hot_rows else {}
     ebc = EmbeddingBagCollection(tables(dtype, weighted), is_weighted=weighted, optimizer=optimizer, device=device,
@@ -85,18 +87,19 @@ def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="
     model = ed.shard(ebc, PLANS[plan_name])
     tol = dict(dtype=dtype, reduction=8 * world)
     for step in range(steps):
-        batches = [batch(r, step, weighted) for r in range(world)]
+        batches = [batch(r, step, weighted, sizes[r]) for r in range(world)]
         mine = kjt_of(batches[rank], weighted)
         if step == 1:  # a padded batch: unpadded for the exchange
             mine = PaddedKeyedJaggedTensor.from_kjt(mine, mine.values().numel() + 5)
         out = model(mine.to(device))
         full = ref(kjt_of(concat(batches), weighted).to(device))
-        start = sum(3 + r for r in range(rank))
-        mine = full.values()[start:start + 3 + rank]
+        start = sum(sizes[:rank])
+        mine = full.values()[start:start + sizes[rank]]
         assert out.keys() == full.keys() and out.length_per_key() == full.length_per_key()
+        assert out.values().shape == mine.shape
         assert_close(out.values(), mine, **tol)
         width = full.values().shape[1]
-        gw = [grad_weights(3 + r, width, step, r).to(device, dtype) for r in range(world)]
+        gw = [grad_weights(sizes[r], width, step, r).to(device, dtype) for r in range(world)]
         (out.values() * gw[rank]).sum().backward()
         (full.values() * torch.cat(gw)).sum().backward()
         if optimizer is None and model.local is not None:  # each shard's gradient is its piece's
@@ -123,6 +126,13 @@ def _all_plans(rank, world, device="cpu"):
     _compare(rank, world, "mixed_unplaced", SGD(lr=0.1), torch.float16, False, 2, device)
     _compare(rank, world, "mixed_unplaced", Adam(lr=0.05), torch.bfloat16, False, 2, device)
     _compare(rank, world, "mixed_unplaced", SGD(lr=0.1), torch.float32, False, 3, device, hot_rows=3)
+    # float64 tables to float64's tolerance: the weights cross ranks, and the row-wise partial
+    # sums (sqrtn's norm too) and the column pieces' row-wise state add up, in float64
+    _compare(rank, world, "row_wise", Adagrad(lr=0.1), torch.float64, True, 3, device)
+    _compare(rank, world, "column_wise", RowWiseAdagrad(lr=0.1), torch.float64, False, 3, device)
+    # the last rank without samples (an epoch's last batch split over more ranks than it fills)
+    _compare(rank, world, "mixed_unplaced", Adagrad(lr=0.1), torch.float32, True, 3, device,
+             sizes=[0 if r == world - 1 else 3 + r for r in range(world)])
 
 
 @pytest.mark.parametrize("world", [2, 3])

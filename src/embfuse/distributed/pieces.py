@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from embfuse.nn.collection import EmbeddingBagCollection
+from embfuse.ops.bags import accumulation
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
@@ -37,17 +38,18 @@ class PieceUpdate:
         hyper = self.optimizer.hyper(self.steps + 1)
         grad = weights.grad
         starts, rows_at = self.pieces._starts, self.pieces._row_starts
+        acc = accumulation(weights)
         with torch.no_grad():
             for i, ((group, width), rows) in enumerate(zip(self.tables, self._touched)):
                 n, d = self.pieces._shapes[i]
                 w = weights.data[starts[i]:starts[i + 1]].view(n, d)
-                w_rows = w[rows].float()
-                g = self.optimizer.decayed(grad[starts[i]:starts[i + 1]].view(n, d)[rows].float(), w_rows)
+                w_rows = w[rows].to(acc)
+                g = self.optimizer.decayed(grad[starts[i]:starts[i + 1]].view(n, d)[rows].to(acc), w_rows)
                 squares = (g * g).sum(1)
                 dist.all_reduce(squares, group=group)
                 state = self.state[rows_at[i]:rows_at[i + 1]]
                 s = state[rows] + squares / width
-                state[rows] = s
+                state[rows] = s.to(state.dtype)
                 w[rows] = (w_rows - hyper.lr * g / (s.sqrt() + hyper.eps)[:, None]).to(w.dtype)
         weights.grad = None
         self.steps += 1

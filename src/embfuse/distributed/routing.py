@@ -44,9 +44,11 @@ class Routing:
     `sources`: the batch's key each feature reads; a feature of several tables is one feature a
     table here, named as the collection names its outputs (f"{feature}@{table}")."""
 
-    def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device):
+    def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device,
+                 weight_dtype=torch.float32):
         F, nslots = len(feature_names), slot_base[-1]
         self.feature_names, self.sources, self.is_weighted, self.device = feature_names, sources, is_weighted, device
+        self.weight_dtype = weight_dtype  # what the weights cross ranks in: the tables' accumulation dtype
         self.limits = torch.tensor(rows, dtype=torch.int64, device=device)
         # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
         # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise
@@ -117,9 +119,9 @@ class Routing:
         offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(lengths, 0, out=offsets[1:])
         status = collection_status(values, offsets, self.limits, B)
-        # ids as int64 and weights as fp32 whatever each rank was given: the collectives need
-        # every rank to send one dtype
-        psw = psw.float() if psw is not None else None
+        # ids as int64 and weights in weight_dtype whatever each rank was given: the collectives
+        # need every rank to send one dtype
+        psw = psw.to(self.weight_dtype) if psw is not None else None
         values = values.long()
         lens = lengths.view(F, B)
         rows = None
@@ -150,7 +152,7 @@ class Routing:
     def send_buffer(self, routed: Routed, counts: list[int]) -> tuple[Tensor, list[int]]:
         """One int64 buffer to send and its size for each destination (`counts`: each slot's
         ids, from the header). Destination d's part: its slots' lengths, then their ids, then
-        their weights' bits (fp32 as int32, widened; `unpack_weights` undoes it): views of the
+        their weights' bits (fp32 as int32, widened, or fp64 as int64; `unpack_weights` undoes it): views of the
         batch for whole features, of the sorted blocks for row-wise ones (one split call each,
         not a slice each: the host's time here is the GPU's idle time), then one copy."""
         psw, B = routed.psw, routed.B
@@ -170,8 +172,7 @@ class Routing:
 
         rows = routed.rows or (None, None)
         ids = pieces(routed.values, rows[0])
-        bits = None if psw is None else pieces(psw.view(torch.int32).long(),
-                                               None if rows[1] is None else rows[1].view(torch.int32).long())
+        bits = None if psw is None else pieces(weight_bits(psw), None if rows[1] is None else weight_bits(rows[1]))
         lens = torch.split(routed.lens, [b - a for a, b in zip(self.slot_base, self.slot_base[1:])])
         parts, sizes = [], []
         for d in range(self.world):
@@ -184,6 +185,11 @@ class Routing:
         return torch.cat(parts), sizes
 
 
-def unpack_weights(bits: Tensor) -> Tensor:
-    """Weights sent by Routing.send_buffer (fp32 bits in int64) as fp32 again."""
-    return bits.int().view(torch.float32)
+def weight_bits(w: Tensor) -> Tensor:
+    """fp32 or fp64 weights as int64 bits, to cross ranks in the ids' buffer (exact both ways)."""
+    return w.view(torch.int64) if w.dtype == torch.float64 else w.view(torch.int32).long()
+
+
+def unpack_weights(bits: Tensor, dtype: torch.dtype) -> Tensor:
+    """Weights sent by Routing.send_buffer (weight_bits) as `dtype` (fp32 or fp64) again."""
+    return bits.view(torch.float64) if dtype == torch.float64 else bits.int().view(torch.float32)

@@ -203,7 +203,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         rows = [table_of[f].num_embeddings for f in self.feature_names]
         dev = self.device
         self.routing = Routing(self.feature_names, self._sources, shards, kinds, rows, self.entries, self.slot_base,
-                               self._is_weighted, dev)
+                               self._is_weighted, dev, self._accumulation())
         self._shards, self._kinds = shards, kinds
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
         self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
@@ -341,12 +341,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         total = sum(batches)
         if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
-        E, W, weighted = len(self.entries[self.rank]), self.world, self._is_weighted
+        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._is_weighted, self._accumulation()
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         if W == 1:  # one source: its lengths, ids and weights are each one slice already
             n, at = sum(counts[0]), E * total
             return self._pool(KeyedJaggedTensor(self.entries[self.rank], recv[at:at + n],
-                                                unpack_weights(recv[at + n:at + 2 * n]) if weighted else None,
+                                                unpack_weights(recv[at + n:at + 2 * n], acc) if weighted else None,
                                                 lengths=recv[:at], stride=total, length_per_key=per_key))
         # source s's part: a piece of lengths a feature, then of ids (then of weights' bits); split
         # in one call, joined feature-major (every source's samples of a feature together) by one copy
@@ -355,7 +355,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         flat = torch.cat([pieces[s * kinds * E + k * E + e] for k in range(kinds) for e in range(E) for s in range(W)])
         L, n = E * total, sum(per_key)
         kjt = KeyedJaggedTensor(self.entries[self.rank], flat[L:L + n],
-                                unpack_weights(flat[L + n:]) if weighted else None, lengths=flat[:L], stride=total,
+                                unpack_weights(flat[L + n:], acc) if weighted else None, lengths=flat[:L], stride=total,
                                 length_per_key=per_key)
         return self._pool(kjt)
 
@@ -372,6 +372,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _dtype(self):
         return table_dtype(self.tables[0].data_type)
+
+    def _accumulation(self) -> torch.dtype:
+        """What partial sums, norms and weights are kept in: float64 for float64 tables, else
+        float32 (as the unsharded collection's)."""
+        return torch.float64 if self._dtype() == torch.float64 else torch.float32
 
     def _columns(self):
         """(P, sum of widths): for each output column, the column of the owners' pooled rows side
@@ -424,9 +429,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
         if index.shape[0] == 1 and not self._needs_norm:
             return side.index_select(1, index[0]).to(dtype)
-        out = side.index_select(1, index[0]).float()
+        acc = self._accumulation()
+        out = side.index_select(1, index[0]).to(acc)
         for layer in index[1:]:
-            out = out + side.index_select(1, layer).float()
+            out = out + side.index_select(1, layer).to(acc)
         if self._needs_norm:
             out = divide_reference(out, self._norms(kjt, B))  # (0 where wmean's weights sum to 0)
         return out.to(dtype)
@@ -434,16 +440,16 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
         divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
-        F, dev = len(self.feature_names), self.device
+        F, dev, acc = len(self.feature_names), self.device, self._accumulation()
         lengths = kjt.lengths().long()
         psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)
         if psw is None:
-            wsum = lengths.to(torch.float32)
+            wsum = lengths.to(acc)
         else:
             bag = bag_of_value(kjt.offsets().long(), psw.numel())
-            terms = weight_term(pool[bag], psw.float())
-            wsum = torch.zeros(F * B, dtype=torch.float32, device=dev).index_add_(0, bag, terms)
+            terms = weight_term(pool[bag], psw.to(acc))
+            wsum = torch.zeros(F * B, dtype=acc, device=dev).index_add_(0, bag, terms)
         norm = pool_norm_reference(pool, lengths, wsum).view(F, B).T
         return norm.repeat_interleave(self._dims_t, dim=1, output_size=sum(self._dims))
 

@@ -499,11 +499,13 @@ def collection_status(values: torch.Tensor, offsets: torch.Tensor, limits: torch
     """The flags of a keyed batch (0 when good) as a 0-d int64 tensor, for a caller that reads
     them itself: on the GPU the check kernel's status, not read here and not reported later; on
     the CPU computed at once."""
+    if B == 0:  # no bags (a rank's share of a small batch): good unless there are values
+        return values.new_full((), BAD_OFFSETS if values.numel() else 0, dtype=torch.int64)
     if not use_kernels(values):
-        return torch.tensor(_collection_flags_reference(values, offsets, limits, max(B, 1)))
+        return torch.tensor(_collection_flags_reference(values, offsets, limits, B))
     log = device_log(values.device)
     check = log.start(None, "a sharded collection's batch", fresh=True, track=False)
-    launch_bags_check(log, check, values, offsets, limits, max(B, 1))
+    launch_bags_check(log, check, values, offsets, limits, B)
     return check.status[0].long()
 
 
