@@ -431,8 +431,9 @@ def _segment_grad_kernel(
                    info_out, tl.program_id(0), 0, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
                    BLOCK_D, ROW_D)
     else:  # upper levels, `levels` of them from entry `at` (Segments.launch)
-        # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
-        tile, ctr, at, levels = tl.program_id(0), n * 0, at + n * 0, levels + n * 0
+        # (every loop-carried value a tensor of n's width: Inductor passes a 1, n's too, as a constant)
+        zero = tl.program_id(0) * 0 + n * 0
+        tile, ctr, n, at, levels = tl.program_id(0), zero, n + zero, at + zero, levels + zero
         go = levels > 0
         while go:
             _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,

@@ -153,8 +153,9 @@ def _fused_update_kernel(
                      info_out, tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
                      HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
     else:  # upper levels, `levels` of them from entry `at` (ops/segments.py Segments.launch)
-        # (tensors: Inductor passes a 1 as a constant, which a loop cannot carry)
-        tile, ctr, at, levels = tl.program_id(0), n * 0, at + n * 0, levels + n * 0
+        # (every loop-carried value a tensor of n's width: Inductor passes a 1, n's too, as a constant)
+        zero = tl.program_id(0) * 0 + n * 0
+        tile, ctr, n, at, levels = tl.program_id(0), zero, n + zero, at + zero, levels + zero
         go = levels > 0
         while go:
             _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
