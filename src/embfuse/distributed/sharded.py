@@ -44,7 +44,8 @@ from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
-from embfuse.ops.bags import POOLINGS, SUM, bag_of_value, divide_reference, pool_norm_reference, weight_term
+from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, pool_norm_reference,
+                              weight_term)
 from embfuse.ops.validate import validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
@@ -203,7 +204,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         rows = [table_of[f].num_embeddings for f in self.feature_names]
         dev = self.device
         self.routing = Routing(self.feature_names, self._sources, shards, kinds, rows, self.entries, self.slot_base,
-                               self._is_weighted, dev, self._accumulation())
+                               self._is_weighted, dev, accumulation(self._dtype()))
         self._shards, self._kinds = shards, kinds
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
         self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
@@ -341,7 +342,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         total = sum(batches)
         if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
-        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._is_weighted, self._accumulation()
+        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._is_weighted, accumulation(self._dtype())
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         if W == 1:  # one source: its lengths, ids and weights are each one slice already
             n, at = sum(counts[0]), E * total
@@ -372,11 +373,6 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
 
     def _dtype(self):
         return table_dtype(self.tables[0].data_type)
-
-    def _accumulation(self) -> torch.dtype:
-        """What partial sums, norms and weights are kept in: float64 for float64 tables, else
-        float32 (as the unsharded collection's)."""
-        return torch.float64 if self._dtype() == torch.float64 else torch.float32
 
     def _columns(self):
         """(P, sum of widths): for each output column, the column of the owners' pooled rows side
@@ -429,7 +425,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         side = torch.cat([side, side.new_zeros(B, 1)], dim=1)
         if index.shape[0] == 1 and not self._needs_norm:
             return side.index_select(1, index[0]).to(dtype)
-        acc = self._accumulation()
+        acc = accumulation(dtype)
         out = side.index_select(1, index[0]).to(acc)
         for layer in index[1:]:
             out = out + side.index_select(1, layer).to(acc)
@@ -440,7 +436,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
         divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
-        F, dev, acc = len(self.feature_names), self.device, self._accumulation()
+        F, dev, acc = len(self.feature_names), self.device, accumulation(self._dtype())
         lengths = kjt.lengths().long()
         psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)

@@ -62,9 +62,9 @@ def single_meta(rows: int, dim: int, mode: int, device) -> Tensor:
     return _single_meta(rows, dim, mode, device) if tracing() else _single_meta_cached(rows, dim, mode, device)
 
 
-def accumulation(t: Tensor) -> torch.dtype:
-    """The dtype sums over `t` are taken in: float64 for float64, else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+def accumulation(t) -> torch.dtype:
+    """The dtype sums over `t` (a tensor, or a dtype) are taken in: float64 for float64, else float32."""
+    return torch.float64 if getattr(t, "dtype", t) == torch.float64 else torch.float32
 
 
 # torch's ATen numbers of the modes whose CPU kernels follow embfuse's rules

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from embfuse._triton import HAS_TRITON, cdiv, interpreting, launch, next_pow2, tl, tracing, triton
 from embfuse.ops import tuning
+from embfuse.ops.bags import accumulation
 
 
 def _named(ids, padding_idx):
@@ -49,7 +50,7 @@ def _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype):
 
 def segment_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
     """Pure-torch version for one table (CPU path and test oracle); float64 in, float64 out."""
-    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulation(src)
     rows, keep = _source_rows(ids, src, src_row, scale, padding_idx, acc_dtype)
     # positions that name no row add into one row past the table, dropped after (not a product
     # with the mask: 0 * NaN is NaN; no host read, as a compaction would need)
@@ -466,7 +467,7 @@ def rowwise_grad_reference(ids, src, src_row, scale, num_rows, padding_idx, scal
     """Pure-torch row-wise sparse gradient: (the distinct rows touched, ascending; their
     gradient rows), the sums `segment_grad_reference` would write at those rows. Arguments as
     `segment_grad_reference`'s."""
-    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulation(src)
     touched, values, counts = row_sums_reference(ids, src, src_row, scale, padding_idx, acc_dtype)
     if scale_by_freq:
         values = values / counts[:, None].to(acc_dtype)

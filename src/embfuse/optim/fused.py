@@ -23,7 +23,7 @@ from embfuse.optim.rules import K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_SGD_KI
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
     """Pure torch: sum the gradient rows per distinct id (in input order), update those rows."""
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    acc = accumulation(weight)
     touched, g, _ = row_sums_reference(ids, src, src_row, scale, padding_idx, acc)
     w, st = optimizer.update(weight[touched].to(acc), g, {k: v[touched].to(acc) for k, v in state.items()}, step)
     with torch.no_grad():

@@ -164,7 +164,7 @@ def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_
     """The composed form (what TensorFlow's graph does): gather, clip, weight, segment sums,
     divide where the divisor is not 0. Accumulates in fp32 (fp64 for fp64 tables)."""
     table = shards[0]
-    acc = torch.float64 if table.dtype == torch.float64 else torch.float32
+    acc = accumulation(table)
     e = _clip(_gather(shards, ids, partition_strategy), max_norm).to(acc)
     w = torch.ones(ids.numel(), dtype=acc, device=ids.device) if weights is None else weights.to(acc)
     out = torch.zeros(num_rows, table.shape[1], dtype=acc, device=ids.device).index_add(0, rows, e * w[:, None])
