@@ -2,6 +2,8 @@
 off 16-byte alignment, an int equal to 1 or a multiple of 16, get their own kernel) and the eager
 autograd path of the registered ops (eager_autograd, backward_needs_op)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,36 @@ def test_batched_gradients_of_eager_lookups(lookup, monkeypatch):
     assert torch.autograd.gradcheck(fn, (w,), check_batched_grad=True)
     if lookup == "embedding":  # (the one with a double backward)
         assert torch.autograd.gradgradcheck(fn, (w,), check_batched_grad=True)
+
+
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_launch_never_takes_one_tensor_twice(traced):
+    """Inductor clones each argument a traced kernel writes, one clone per argument: a buffer
+    passed twice splits in two, and the kernel reads what it never wrote (benchmarks/NOTES.md,
+    session 42). Traced launches (here: under a fake mode, refused before anything runs) and
+    interpreted ones refuse overlapping arguments; disjoint views of one buffer and empty views
+    pass."""
+    from embfuse._triton import interpreting, launch
+    from embfuse.ops.chain import _layer_norm_act_fwd_kernel
+
+    if not traced and not interpreting():
+        pytest.skip("an eager launch is checked only by the interpreter (CI)")
+    mode = torch._subclasses.FakeTensorMode() if traced else contextlib.nullcontext()
+    with mode:
+        x = torch.randn(2, 3, 8, device=DEVICES[-1])
+        y, params = torch.empty_like(x), torch.randn(2, 3, 8, device=x.device)
+
+        def run(x, w, b, y, overlapping=False):
+            launch(_layer_norm_act_fwd_kernel, overlapping)[(1, 3)](
+                x, w, b, y, 2, 3, 8, 1e-5, HAS_W=True, HAS_B=b.numel() > 0, ACT=0, BLOCK_B=2, BLOCK_D=8)
+
+        with pytest.raises(RuntimeError, match="overlapping tensors as arguments 0 and 3"):
+            run(x, params[0], params[1], x)
+        with pytest.raises(RuntimeError, match="arguments 1 and 2"):
+            run(x, params[0], params[0, 1:], y)
+        if not traced:
+            run(x, params[0], params[1], y)  # disjoint rows of one buffer
+            run(x, params[0], params[0, :0], y)  # an empty view (never read)
+            run(x, params[0], params[1], x, overlapping=True)  # (in place, as an eager fold's status)

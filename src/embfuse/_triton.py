@@ -169,14 +169,63 @@ def _direct(kernel) -> _DirectLauncher:
     return _DirectLauncher(kernel)
 
 
-def launch(kernel):
+class _Distinct:
+    """`kernel[grid](...)` that first checks that no tensor is passed twice (as two arguments,
+    or as views of one base). Inductor functionalizes a traced launch by cloning each argument
+    the kernel writes, one clone per argument (pytorch#196657): a buffer passed as both a
+    kernel's input and its output then splits into two, and the kernel reads what it never
+    wrote. Checked where it costs no eager GPU time: when tracing and when interpreting (CI)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            seen = {}
+            for i, a in enumerate((*args, *kwargs.values())):
+                if isinstance(a, torch.Tensor) and not _empty(a):
+                    base = a if a._base is None else a._base
+                    for j, b in seen.get(id(base), ()):
+                        if _overlap(a, b):
+                            raise RuntimeError(f"embfuse internal error: {getattr(self.kernel, 'fn', self.kernel)} "
+                                               f"gets overlapping tensors as arguments {j} and {i}")
+                    seen.setdefault(id(base), []).append((i, a))
+            return self.kernel[grid](*args, **kwargs)
+        return run
+
+
+def _empty(t: torch.Tensor) -> bool:
+    """Known to hold no element (a symbolic count, when tracing, is not read: no guard)."""
+    n = t.numel()
+    return isinstance(n, int) and n == 0
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one base may share an element: their spans of the storage meet (a
+    symbolic span, when tracing, is taken to meet any other)."""
+    spans = []
+    for t in (a, b):
+        start = t.storage_offset()
+        end = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        if not isinstance(end, int):
+            return True
+        spans.append((start, end))
+    (s0, e0), (s1, e1) = spans
+    return s0 < e1 and s1 < e0
+
+
+def launch(kernel, overlapping: bool = False):
     """How to launch `kernel` from a host function: wrapped for tracing when tracing
     (wrap_triton's eager dispatch outside a triton_op costs several launches' worth of host
-    time), through `_DirectLauncher` on a GPU, and Triton's own way when interpreting.
-    Launch hooks (knobs.runtime.launch_enter_hook, a profiler's) see only the first launch
-    of each specialisation."""
+    time), through `_DirectLauncher` on a GPU, and Triton's own way when interpreting; no
+    tensor twice in one launch (`_Distinct`), except in eager launches that say `overlapping`
+    (only an eager call takes them; a traced launch is always checked). Launch hooks
+    (knobs.runtime.launch_enter_hook, a profiler's) see only the first launch of each
+    specialisation."""
     if tracing():
-        return wrap_triton(kernel)
-    if native_specialize_impl is None or _INTERPRETING:
+        return _Distinct(wrap_triton(kernel))
+    if _INTERPRETING:
+        return kernel if overlapping else _Distinct(kernel)
+    if native_specialize_impl is None:
         return kernel
     return _direct(kernel)

@@ -434,6 +434,32 @@ def test_compile_fullgraph(device, mode):
     assert_close(g, w2.grad, torch.float32, reduction=40)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_compiled_backward_of_hot_ids_at_two_batch_sizes(device, mode):
+    """Thousands of ids on 3 wide rows: the gradient's segment reduction (ops/segments.py) runs
+    several upper levels in one launch that reads what it wrote, which a traced launch got
+    wrong while it passed one buffer as two arguments (session 42: wrong gradients, illegal
+    accesses); the second batch size recompiles with dynamic shapes."""
+    torch._dynamo.reset()
+    w0 = torch.randn(3, 130, device=device)
+
+    def f(x, w):
+        return embfuse.embedding_bag(x, w, mode=mode).tanh()
+
+    compiled = torch.compile(f, fullgraph=True)
+    for B in (60, 37):
+        x = torch.randint(0, 3, (B, 50), device=device)
+        g = torch.randn(B, 130, device=device)
+        grads = []
+        for fn in (f, compiled):
+            w = w0.clone().requires_grad_()
+            grads.append(torch.autograd.grad(fn(x, w), [w], g)[0])
+        ref = w0.double().requires_grad_()
+        (expected,) = torch.autograd.grad(F.embedding_bag(x, ref, mode=mode).tanh(), [ref], g.double())
+        assert_close(grads[0], expected, torch.float32, reduction=B * 50)
+        assert_close(grads[1], expected, torch.float32, reduction=B * 50)
+
 @pytest.mark.gpu
 def test_cuda_graph_capture():
     w = torch.randn(1000, 64, device="cuda")

@@ -167,14 +167,15 @@ def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dty
 # ---- kernel building blocks ----
 
 @triton.jit
-def program_bags(offsets, FB, B, BAGS: tl.constexpr):
-    """The BAGS bags (feature-major) of this program, side by side: (bag, in range, feature,
-    first value, end). A program a bag spent most of its time waiting on the offsets."""
+def program_bags(FB, B, BAGS: tl.constexpr):
+    """The BAGS bags (feature-major) of this program, side by side: (bag, in range, feature). A
+    program a bag spent most of its time waiting on the offsets. Each kernel loads its bags'
+    starts and ends itself: torch's analysis of a traced kernel takes any tensor handed to a
+    called function whose result addresses a store for a tensor the kernel writes, and
+    Inductor then copies it before every launch (torch 2.11: the user's offsets, and under
+    dynamic shapes a failed compile, pytorch#181735; benchmarks/NOTES.md, session 42)."""
     g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    real = g < FB
-    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
-    return g, real, g // B, start, end
+    return g, g < FB, g // B
 
 
 @triton.jit
@@ -298,7 +299,9 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
     TAIL (a padded batch, sparse/padded.py): the values past the last bag get key -1, bag 0,
     scale 0, shared out over the programs. Only then: the fill's code alone made the kernel 25%
     slower on plain batches (H100, benchmarks/NOTES.md session 19)."""
-    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
+    g, real, f = program_bags(FB, B, BAGS)
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
     if TAIL:
         last = tl.minimum(tl.maximum(tl.load(offsets + FB).to(tl.int64), 0), n)
         share = (n - last + tl.num_programs(0) - 1) // tl.num_programs(0)

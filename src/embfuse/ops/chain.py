@@ -52,13 +52,20 @@ def chain_activation(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tile(x, weight, bias, b0, f, B, N, D, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_B: tl.constexpr,
-          BLOCK_D: tl.constexpr):
-    """One feature's (BLOCK_B, D) tile: its addresses, mask, xhat, rstd and pre-activation z."""
+def _tile_at(b0, f, B, N, D, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The addresses and mask of feature f's (BLOCK_B, D) tile from row b0. (Apart from _tile:
+    where a traced kernel stores at an address a called function returned, torch's analysis
+    takes every tensor handed to that function as written, and Inductor copies it before the
+    launch; ops/bags.py program_bags.)"""
     rows = b0 + tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
-    mask = (rows < B)[:, None] & (cols < D)[None, :]
-    at = (rows.to(tl.int64) * N + f)[:, None] * D + cols[None, :]
+    return (rows.to(tl.int64) * N + f)[:, None] * D + cols[None, :], (rows < B)[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _tile(x, weight, bias, at, mask, f, D, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One feature's tile (`_tile_at`): xhat, rstd and the pre-activation z."""
+    cols = tl.arange(0, BLOCK_D)
     v = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(v, axis=1) / D
     diff = tl.where(mask, v - mean[:, None], 0.0)
@@ -70,7 +77,7 @@ def _tile(x, weight, bias, b0, f, B, N, D, eps, HAS_W: tl.constexpr, HAS_B: tl.c
         z = z * w[None, :]
     if HAS_B:
         z = z + tl.load(bias + f * D + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-    return at, mask, xhat, rstd, z
+    return xhat, rstd, z
 
 
 @triton.jit
@@ -78,7 +85,8 @@ def _layer_norm_act_fwd_kernel(x, weight, bias, y, B, N, D, eps, HAS_W: tl.const
                                ACT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     b0 = tl.program_id(0) * BLOCK_B
     f = tl.program_id(1)
-    at, mask, _, _, z = _tile(x, weight, bias, b0, f, B, N, D, eps, HAS_W, HAS_B, BLOCK_B, BLOCK_D)
+    at, mask = _tile_at(b0, f, B, N, D, BLOCK_B, BLOCK_D)
+    _, _, z = _tile(x, weight, bias, at, mask, f, D, eps, HAS_W, HAS_B, BLOCK_D)
     tl.store(y + at, chain_activation(z, ACT).to(y.dtype.element_ty), mask=mask)
 
 
@@ -88,8 +96,8 @@ def _layer_norm_act_bwd_kernel(dy, x, weight, bias, dx, dw_part, db_part, B, N, 
                                BLOCK_D: tl.constexpr):
     pb = tl.program_id(0)
     f = tl.program_id(1)
-    at, mask, xhat, rstd, z = _tile(x, weight, bias, pb * BLOCK_B, f, B, N, D, eps, HAS_W, HAS_B, BLOCK_B,
-                                    BLOCK_D)
+    at, mask = _tile_at(pb * BLOCK_B, f, B, N, D, BLOCK_B, BLOCK_D)
+    xhat, rstd, z = _tile(x, weight, bias, at, mask, f, D, eps, HAS_W, HAS_B, BLOCK_D)
     g = tl.load(dy + at, mask=mask, other=0.0).to(tl.float32)
     if ACT == 1:
         t = chain_activation(z, ACT)
@@ -127,7 +135,7 @@ def layer_norm_act_forward(x, weight, bias, eps, act):
     y = torch.empty_like(x)
     if x.numel():
         launch(_layer_norm_act_fwd_kernel)[(cdiv(B, BLOCK_B), N)](
-            x, weight if weight is not None else x, bias if bias is not None else x, y, B, N, D, eps,
+            x, weight, bias, y, B, N, D, eps,
             HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS.index(act), BLOCK_B=BLOCK_B,
             BLOCK_D=block_d)
     return y
@@ -142,8 +150,7 @@ def layer_norm_act_backward(grad, x, weight, bias, eps, act):
     db = torch.zeros(blocks, N, D, dtype=torch.float32, device=x.device) if bias is not None else None
     if x.numel():
         launch(_layer_norm_act_bwd_kernel)[(blocks, N)](
-            grad.contiguous(), x, weight if weight is not None else x, bias if bias is not None else x, dx,
-            dw if dw is not None else dx, db if db is not None else dx, B, N, D, eps, HAS_W=weight is not None,
+            grad.contiguous(), x, weight, bias, dx, dw, db, B, N, D, eps, HAS_W=weight is not None,
             HAS_B=bias is not None, ACT=ACTIVATIONS.index(act), BLOCK_B=BLOCK_B, BLOCK_D=block_d)
     return (dx, None if dw is None else dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype))
 

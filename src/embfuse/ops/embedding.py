@@ -88,7 +88,8 @@ def embedding_forward(weight: Tensor, indices: Tensor, status: Optional[Tensor] 
     grid_d = cdiv(D, block_d)
     if folded is not None:
         checks = folded_checks(n, 0)
-        launch(_embedding_fwd_checked_kernel)[(checks + cdiv(n, block_n), grid_d)](
+        # (the status pair is a row of the log's statuses, which it also gets: an eager call's fold)
+        launch(_embedding_fwd_checked_kernel, overlapping=True)[(checks + cdiv(n, block_n), grid_d)](
             weight, indices, out, n, D, weight.stride(0), out.stride(0), weight.shape[0], *folded, checks,
             BLOCK_N=block_n, BLOCK_D=block_d, CHECK_BLOCK=tuning.FOLD_BLOCK)
         return out

@@ -178,7 +178,8 @@ def embedding_bag_forward(weight, indices, offsets, per_sample_weights, mode, pa
                  OPEN_END=open_end is not None, **cfg)
     if folded is not None:
         checks = folded_checks(indices.numel(), offsets.numel())
-        launch(_embedding_bag_fwd_checked_kernel)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
+        # (the status pair is a row of the log's statuses, which it also gets: an eager call's fold)
+        launch(_embedding_bag_fwd_checked_kernel, overlapping=True)[(checks + B, cdiv(D, cfg["BLOCK_D"]))](
             *args, out, max_ids if mode == MAX else None, D, weight.stride(0), out.stride(0), padding_idx,
             indices.numel(), B, offsets.numel(), weight.shape[0], *folded, checks, CHECK_BLOCK=tuning.FOLD_BLOCK,
             CLAMP_LAST=open_end == "last", **flags)

@@ -98,7 +98,9 @@ def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w
                       HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED with
     weight 0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
-    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
+    g, real, f = program_bags(FB, B, BAGS)
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
     flags = tl.load(rules + f * K_RULE_COLUMNS + K_FLAGS, mask=real, other=0)
     default = tl.load(rules + f * K_RULE_COLUMNS + K_DEFAULT_ID, mask=real, other=0)
     has_default = (flags & K_HAS_DEFAULT) != 0
@@ -165,7 +167,7 @@ def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
         out_off.fill_(n + extra)  # (no bags: the one offset)
         return out_v, out_off, out_w
     launch(_safe_bags_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
-        values, offsets, psw if psw is not None else out_w, status if status is not None else offsets, rules, out_v,
+        values, offsets, psw, status, rules, out_v,
         out_off, out_w, n, FB, max(B, 1), extra, HAS_PSW=psw is not None, STATUS=status is not None,
         BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
     return out_v, out_off, out_w

@@ -210,22 +210,24 @@ class Segments:
         all_vals = torch.empty(total + 2, self.block_d, dtype=torch.float32, device=dev)
         all_info = torch.empty(total + 2, 2, dtype=torch.int32, device=dev)
         counted = sum(cdiv(n, k) for n, (k, _) in levels[tree + 1:]) if levels else 0
-        # (with nothing to count, any tensor: no program reads it)
-        counters = torch.zeros(counted * blocks, dtype=torch.int32, device=dev) if counted else all_info
+        # (with nothing to count, a tensor no program reads; never another argument: a traced
+        # launch must get each tensor once, see _triton._Distinct)
+        counters = (torch.zeros(counted * blocks, dtype=torch.int32, device=dev) if counted else
+                    torch.empty(1, dtype=torch.int32, device=dev))
         shared = dict(HAS_SRC_ROW=self.src_row is not None, HAS_SCALE=self.scale is not None, COUNT=count,
                       VEC=self.vec, BLOCK_D=block_d, ROW_D=self.block_d, **constexprs)
         launch(kernel)[(cdiv(self.n, block_k), blocks)](
-            self.sorted_key, self.n, self.perm, self.src_row if self.src_row is not None else self.perm,
-            self.scale if self.scale is not None else self.src, self.src, self.src_stride, self.src_bags,
-            self.src_meta, self.sorted_key, all_keys, all_vals, all_info, counters, 0, 1, *args,
+            self.sorted_key, self.n, self.perm, self.src_row, self.scale, self.src, self.src_stride, self.src_bags,
+            self.src_meta, all_keys, all_vals, all_info, counters, 0, 1, *args,
             FIRST=True, BLOCK_K=block_k, num_warps=warps, **shared)
         at = 0
         for i, (n, (k, w)) in enumerate(levels):
             if i <= tree:  # a level of its own, or the tree's first and all after it
+                # (upper levels read only the upper buffers: the first level's inputs are not
+                # passed, so a traced graph sees each read by one launch)
                 launch(kernel)[(cdiv(n, k), blocks)](
-                    all_keys, n, self.perm, self.perm, all_vals, all_vals, self.block_d, self.src_bags,
-                    self.src_meta, all_info, all_keys, all_vals, all_info, counters, at,
-                    1 if i < tree else len(levels) - i, *args,
+                    None, n, None, None, None, None, self.src_stride, self.src_bags, self.src_meta, all_keys,
+                    all_vals, all_info, counters, at, 1 if i < tree else len(levels) - i, *args,
                     FIRST=False, BLOCK_K=k, num_warps=w, **shared)
             at += n
 
@@ -297,27 +299,30 @@ def next_level(counters, tile, n, at, ctr, levels, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                 info_out, tile, at, FIRST: tl.constexpr,
+def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+                 tile, at, FIRST: tl.constexpr,
                  HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     """Tile `tile` of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
     (the partial rows' width). Returns, for its BLOCK_K entries: (global row, width, first element,
     fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the
-    entries are sorted positions, gathered from src, and the next level's entries go to the start
-    of the upper buffers (keys_out, vals_out, info_out). Upper levels: the level's n entries start
-    at entry `at` of the upper buffers (keys, src, info_in: the partial rows of the level before,
-    each entry's (source feature, count)), and the next level's follow them. The row's table is
-    never looked up from the key: per-row gathers from the table arrays cost several times the
-    tile's own work (measured: Triton replicates anything derived from the key per thread)."""
-    if not FIRST:
+    entries are sorted positions (keys), gathered from src, and the next level's entries go to
+    the start of the upper buffers (up_keys, up_vals, up_info). Upper levels: the level's n
+    entries start at entry `at` of the upper buffers (the partial rows of the level before, each
+    entry's (source feature, count)), and the next level's follow them; keys, perm, src_row,
+    scale and src are not read. The row's table is never looked up from the key: per-row gathers
+    from the table arrays cost several times the tile's own work (measured: Triton replicates
+    anything derived from the key per thread)."""
+    if FIRST:
+        keys_out, vals_out, info_out, info_in = up_keys, up_vals, up_info, up_info
+    else:
         base_at = at.to(tl.int64)
-        keys += base_at
-        src += base_at * ROW_D
-        info_in += 2 * base_at
-        keys_out += base_at + n
-        vals_out += (base_at + n) * ROW_D
-        info_out += 2 * (base_at + n)
+        keys = up_keys + base_at
+        src = up_vals + base_at * ROW_D
+        info_in = up_info + 2 * base_at
+        keys_out = keys + n
+        vals_out = src + n * ROW_D
+        info_out = info_in + 2 * n
     tile = tile.to(tl.int64)
     cols = columns(BLOCK_D)
     first = tile * BLOCK_K
@@ -407,12 +412,12 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
 
 
 @triton.jit
-def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-               info_out, tile, at, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
+def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+               tile, at, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
                HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     _row, D, base, acc, cnt, done = segment_rows(
-        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
+        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
         tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
@@ -423,13 +428,13 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
 
 @triton.jit
 def _segment_grad_kernel(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
     at, levels, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
 ):
     if FIRST:
-        _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                   info_out, tl.program_id(0), 0, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+        _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+                   tl.program_id(0), 0, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
                    BLOCK_D, ROW_D)
     else:  # upper levels, `levels` of them from entry `at` (Segments.launch)
         # (every loop-carried value a tensor of n's width: Inductor passes a 1, n's too, as a constant)
@@ -437,8 +442,8 @@ def _segment_grad_kernel(
         tile, ctr, n, at, levels = tl.program_id(0), zero, n + zero, at + zero, levels + zero
         go = levels > 0
         while go:
-            _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
-                       vals_out, info_out, tile, at, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
+            _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals,
+                       up_info, tile, at, grad, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K,
                        BLOCK_D, ROW_D)
             go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 

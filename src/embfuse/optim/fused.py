@@ -115,14 +115,14 @@ def _update_halves(weight, state1, state2, g, rate, row, D, base, done, hp, seed
 
 @triton.jit
 def _update_tile(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, tile, at,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, tile, at,
     weight, state1, state2, hp, seed,
     FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
     row, D, base, g, cnt, done = segment_rows(
-        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out,
+        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
         tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
@@ -141,7 +141,7 @@ def _update_tile(
 # variants in the middle of training, seconds each
 @triton.jit(do_not_specialize=["seed"])
 def _fused_update_kernel(
-    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out, info_out, counters,
+    keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
     at, levels, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
@@ -149,8 +149,8 @@ def _fused_update_kernel(
 ):
     hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
     if FIRST:
-        _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out, vals_out,
-                     info_out, tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
+        _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+                     tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
                      HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
     else:  # upper levels, `levels` of them from entry `at` (ops/segments.py Segments.launch)
         # (every loop-carried value a tensor of n's width: Inductor passes a 1, n's too, as a constant)
@@ -158,8 +158,8 @@ def _fused_update_kernel(
         tile, ctr, n, at, levels = tl.program_id(0), zero, n + zero, at + zero, levels + zero
         go = levels > 0
         while go:
-            _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, info_in, keys_out,
-                         vals_out, info_out, tile, at, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
+            _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals,
+                         up_info, tile, at, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,
                          HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D, KIND, WD, DROP, QUARTERS)
             go, tile, n, at, ctr, levels = next_level(counters, tile, n, at, ctr, levels, BLOCK_K)
 
@@ -169,7 +169,7 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     `layout`, row-wise state has one value per global row; keys are global rows or -1."""
     if keys.numel() == 0 or layout.max_dim == 0:
         return
-    states = list(states) + [weight] * (2 - len(states))  # unused pointers: any tensor
+    states = list(states) + [None] * (2 - len(states))  # (never read)
     hyper = optimizer.hyper(step)
     segments = Segments(keys, layout, src, **src_args)
     columns = tuning.update_columns(optimizer.element_states)

@@ -88,7 +88,9 @@ class HotRows(_handles.Named):
 @triton.jit
 def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
                       K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    g, real, f, start, end = program_bags(offsets, FB, B, BAGS)
+    g, real, f = program_bags(FB, B, BAGS)
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
     key0 = tl.load(meta + f * stride_m + K_KEY_START, mask=real, other=0)
     row0 = tl.load(meta + f * stride_m + K_ROW_START, mask=real, other=0)
     n_cold = tl.zeros([BAGS], dtype=tl.int32)
