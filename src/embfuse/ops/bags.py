@@ -170,10 +170,10 @@ def backward_inputs_reference(values, offsets, psw, meta, B, padding_idx=-1, dty
 def program_bags(FB, B, BAGS: tl.constexpr):
     """The BAGS bags (feature-major) of this program, side by side: (bag, in range, feature). A
     program a bag spent most of its time waiting on the offsets. Each kernel loads its bags'
-    starts and ends itself: torch's analysis of a traced kernel takes any tensor handed to a
-    called function whose result addresses a store for a tensor the kernel writes, and
-    Inductor then copies it before every launch (torch 2.11: the user's offsets, and under
-    dynamic shapes a failed compile, pytorch#181735; benchmarks/NOTES.md, session 42)."""
+    starts and ends itself: where a traced kernel stores at an address a called function
+    returned, torch's analysis takes every tensor handed to that function as written, and
+    Inductor copies it before the launch (torch 2.11: the user's offsets; under dynamic shapes
+    that copy failed to compile, pytorch#181735; benchmarks/NOTES.md, session 42)."""
     g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
     return g, g < FB, g // B
 

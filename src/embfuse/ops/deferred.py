@@ -503,6 +503,7 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
     CLAMP_LAST."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.IDS_CHECK_BLOCK
+    # (no offsets: an empty view, never read; never the ids again, see _triton._Distinct)
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices[:0], n_off, num_embeddings, *_check_args(log, check),
         out, None if resident is None else resident.info, None if resident is None else resident.words,
