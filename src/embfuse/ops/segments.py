@@ -299,13 +299,14 @@ def next_level(counters, tile, n, at, ctr, levels, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
-                 tile, at, FIRST: tl.constexpr,
+def segment_rows(keys, key, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals,
+                 up_info, tile, at, FIRST: tl.constexpr,
                  HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     """Tile `tile` of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
-    (the partial rows' width). Returns, for its BLOCK_K entries: (global row, width, first element,
-    fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the
+    (the partial rows' width). `key`: the entries' keys. Returns, for its BLOCK_K entries:
+    (source feature, fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program
+    finishes); the caller finds each row from its key and feature (see _grad_tile). FIRST: the
     entries are sorted positions (keys), gathered from src, and the next level's entries go to
     the start of the upper buffers (up_keys, up_vals, up_info). Upper levels: the level's n
     entries start at entry `at` of the upper buffers (the partial rows of the level before, each
@@ -329,7 +330,6 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
     last = tl.minimum(first + BLOCK_K, n) - 1
     j = first + tl.arange(0, BLOCK_K)
     inside = j < n
-    key = _peek(keys + j, inside, -1, FIRST)
     real = inside & (key >= 0)
     if FIRST:  # the key before the tile, and after each entry
         prev = tl.load(keys + first - 1, mask=tile > 0, other=-2)
@@ -366,9 +366,6 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         x = _peek(src + j[:, None] * ROW_D + cols[None, :], (real & ~covered)[:, None], 0.0, FIRST)
         f = _peek(info_in + 2 * j, inside, 0, FIRST).to(tl.int64)
         D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
-    # the row's table from the source side: its feature's first element and global row of key 0
-    base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=inside, other=0) + key * D, VEC)
-    row = tl.load(src_meta + 4 * f + 3, mask=inside, other=0) + key
     # each run's sum within the tile so far, in a fixed order
     start = (j == first) | (key != before)
     acc = _run_sums(key, start, x, BLOCK_K, BLOCK_D)
@@ -408,7 +405,7 @@ def segment_rows(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_m
         tl.store(info + 1, cnt, mask=head_row)
         tl.store(info + 3, cnt, mask=tail_row)
     done = real & ends & (key != prev)
-    return row, D, base, acc, cnt, done
+    return f, acc, cnt, done
 
 
 @triton.jit
@@ -416,9 +413,20 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
                tile, at, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
                HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
-    _row, D, base, acc, cnt, done = segment_rows(
-        keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+    # The keys are loaded and the rows found here, not in a helper: torch's trace of a traced
+    # launch (pytorch#195628) counts every tensor a helper takes as written when the helper's
+    # result addresses a store, and Inductor then copies each one. A loaded value ends the trace.
+    j = tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if FIRST:
+        key = tl.load(keys + j, mask=j < n, other=-1)
+    else:
+        key = tl.load(up_keys + at + j, mask=j < n, other=-1, cache_modifier=".cg")
+    f, acc, cnt, done = segment_rows(
+        keys, key, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
         tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+    # the row's table from the source side: its feature's width and first element of key 0
+    D = tl.load(src_meta + 4 * f + 1, mask=j < n, other=0)
+    base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=j < n, other=0) + key * D, VEC)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
     cols = columns(BLOCK_D)
