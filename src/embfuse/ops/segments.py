@@ -299,21 +299,21 @@ def next_level(counters, tile, n, at, ctr, levels, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def segment_rows(keys, key, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals,
-                 up_info, tile, at, FIRST: tl.constexpr,
-                 HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
+def segment_rows(keys, key, p, g, f, D, n, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
+                 tile, at, FIRST: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
     """Tile `tile` of one level, in this program's BLOCK_D columns (`columns`) of rows ROW_D wide
-    (the partial rows' width). `key`: the entries' keys. Returns, for its BLOCK_K entries:
-    (source feature, fp32 sums [BLOCK_K, BLOCK_D], counts, mask of the rows this program
-    finishes); the caller finds each row from its key and feature (see _grad_tile). FIRST: the
-    entries are sorted positions (keys), gathered from src, and the next level's entries go to
-    the start of the upper buffers (up_keys, up_vals, up_info). Upper levels: the level's n
-    entries start at entry `at` of the upper buffers (the partial rows of the level before, each
-    entry's (source feature, count)), and the next level's follow them; keys, perm, src_row,
-    scale and src are not read. The row's table is never looked up from the key: per-row gathers
-    from the table arrays cost several times the tile's own work (measured: Triton replicates
-    anything derived from the key per thread)."""
+    (the partial rows' width). The caller loads the entries' keys `key`, their source features
+    `f` and widths `D` and, at FIRST, each sorted position's position `p` and source row `g` (see
+    _grad_tile), and finds the rows from them. Returns, for the tile's BLOCK_K entries: (fp32 sums
+    [BLOCK_K, BLOCK_D], counts, mask of the rows this program finishes). FIRST: the entries are
+    sorted positions (keys), gathered from src, and the next level's entries go to the start of
+    the upper buffers (up_keys, up_vals, up_info). Upper levels: the level's n entries start at
+    entry `at` of the upper buffers (the partial rows of the level before, each entry's (source
+    feature, count)), and the next level's follow them; keys, scale and src are not read. The
+    row's table is never looked up from the key: per-row gathers from the table arrays cost
+    several times the tile's own work (measured: Triton replicates anything derived from the key
+    per thread)."""
     if FIRST:
         keys_out, vals_out, info_out, info_in = up_keys, up_vals, up_info, up_info
     else:
@@ -346,14 +346,7 @@ def segment_rows(keys, key, n, perm, src_row, scale, src, src_stride, src_bags, 
     # type") when key also fed a tl.dot here
     if FIRST:
         covered = j < 0
-        p = tl.load(perm + j, mask=inside, other=0)
-        if HAS_SRC_ROW:
-            g = tl.load(src_row + p, mask=inside, other=0).to(tl.int64)
-        else:
-            g = p
-        f = g // src_bags
         s0 = tl.multiple_of((g - f * src_bags) * src_stride + tl.load(src_meta + 4 * f, mask=inside, other=0), VEC)
-        D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
         # in groups of VEC columns (every width is a multiple): 16-byte loads
         m_src = real[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None])
         x = tl.load(src + s0[:, None] + cols[None, :], mask=m_src, other=0.0).to(tl.float32)
@@ -364,8 +357,6 @@ def segment_rows(keys, key, n, perm, src_row, scale, src, src_stride, src_bags, 
         # a run that covered the whole tile: already in the head entry, left unwritten
         covered = (j % 2 == 1) & (before == key)
         x = _peek(src + j[:, None] * ROW_D + cols[None, :], (real & ~covered)[:, None], 0.0, FIRST)
-        f = _peek(info_in + 2 * j, inside, 0, FIRST).to(tl.int64)
-        D = tl.load(src_meta + 4 * f + 1, mask=inside, other=0)
     # each run's sum within the tile so far, in a fixed order
     start = (j == first) | (key != before)
     acc = _run_sums(key, start, x, BLOCK_K, BLOCK_D)
@@ -405,7 +396,7 @@ def segment_rows(keys, key, n, perm, src_row, scale, src, src_stride, src_bags, 
         tl.store(info + 1, cnt, mask=head_row)
         tl.store(info + 3, cnt, mask=tail_row)
     done = real & ends & (key != prev)
-    return f, acc, cnt, done
+    return acc, cnt, done
 
 
 @triton.jit
@@ -413,20 +404,31 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
                tile, at, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr,
                HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, ROW_D: tl.constexpr):
-    # The keys are loaded and the rows found here, not in a helper: torch's trace of a traced
-    # launch (pytorch#195628) counts every tensor a helper takes as written when the helper's
-    # result addresses a store, and Inductor then copies each one. A loaded value ends the trace.
+    # The entries are loaded and their rows found here, not in a helper: torch's trace of a
+    # traced launch (pytorch#195628) counts every tensor a helper takes as written when the
+    # helper's result addresses a store, and Inductor then copies each one; a loaded value ends
+    # the trace. (optim/fused.py _update_tile has the same lines.) Loaded before the tile's sums,
+    # as the weights' loads of a fused update need them (NOTES, session 43: 6.6% slower after).
     j = tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     if FIRST:
         key = tl.load(keys + j, mask=j < n, other=-1)
+        p = tl.load(perm + j, mask=j < n, other=0)
+        if HAS_SRC_ROW:
+            bag = tl.load(src_row + p, mask=j < n, other=0).to(tl.int64)
+        else:
+            bag = p
+        f = bag // src_bags
     else:
         key = tl.load(up_keys + at + j, mask=j < n, other=-1, cache_modifier=".cg")
-    f, acc, cnt, done = segment_rows(
-        keys, key, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
-        tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        p = j
+        bag = j
+        f = tl.load(up_info + 2 * (at + j), mask=j < n, other=0, cache_modifier=".cg").to(tl.int64)
     # the row's table from the source side: its feature's width and first element of key 0
     D = tl.load(src_meta + 4 * f + 1, mask=j < n, other=0)
     base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=j < n, other=0) + key * D, VEC)
+    acc, cnt, done = segment_rows(
+        keys, key, p, bag, f, D, n, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, tile,
+        at, FIRST, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     if COUNT:  # scale_grad_by_freq
         acc = acc / tl.maximum(cnt, 1).to(tl.float32)[:, None]
     cols = columns(BLOCK_D)

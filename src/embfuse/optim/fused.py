@@ -121,19 +121,28 @@ def _update_tile(
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
-    # (keys loaded and rows found here, not in a helper: see ops/segments.py _grad_tile)
+    # (the entries loaded and their rows found here, before the sums: see ops/segments.py _grad_tile)
     j = tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     if FIRST:
         key = tl.load(keys + j, mask=j < n, other=-1)
+        p = tl.load(perm + j, mask=j < n, other=0)
+        if HAS_SRC_ROW:
+            bag = tl.load(src_row + p, mask=j < n, other=0).to(tl.int64)
+        else:
+            bag = p
+        f = bag // src_bags
     else:
         key = tl.load(up_keys + at + j, mask=j < n, other=-1, cache_modifier=".cg")
-    f, g, cnt, done = segment_rows(
-        keys, key, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
-        tile, at, FIRST, HAS_SRC_ROW, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
+        p = j
+        bag = j
+        f = tl.load(up_info + 2 * (at + j), mask=j < n, other=0, cache_modifier=".cg").to(tl.int64)
     # the row's width, first element and global row
     D = tl.load(src_meta + 4 * f + 1, mask=j < n, other=0)
     base = tl.multiple_of(tl.load(src_meta + 4 * f + 2, mask=j < n, other=0) + key * D, VEC)
     row = tl.load(src_meta + 4 * f + 3, mask=j < n, other=0) + key
+    g, cnt, done = segment_rows(
+        keys, key, p, bag, f, D, n, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, tile,
+        at, FIRST, HAS_SCALE, COUNT, VEC, BLOCK_K, BLOCK_D, ROW_D)
     # row-wise Adagrad without weight decay needs only g for its state and step size: taken
     # here, on the whole tile, they cost fewer registers than in each group (ptxas: 120 bytes
     # of spills against 388 in halves)
