@@ -177,7 +177,6 @@ def test_a_launch_never_takes_one_tensor_twice(traced):
             run(x, params[0], params[1], x, overlapping=True)  # (in place, as an eager fold's status)
 
 
-
 _TRACED_WRITES = """
 import json, sys
 import torch, triton
@@ -231,8 +230,8 @@ _REDUCTIONS = [(first, kind) for first in (True, False) for kind in (None, 0, 1,
 def _traced_writes():
     """For each of _REDUCTIONS, the arguments that torch's trace of a traced launch
     (identify_accessed_tensors, identify_mutated_tensors in older torch: what Inductor copies
-    before the launch) counts as written, from
-    the kernel's IR, built in one child process (the interpreter's kernels have none)."""
+    before the launch) counts as written, from the kernel's IR, built in one child process (the
+    interpreter's kernels have none)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(embfuse.__path__[0]), env.get("PYTHONPATH")) if p)
     cases = json.dumps([_reduction_launch(*c)[:3] for c in _REDUCTIONS])

@@ -407,8 +407,9 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
     # The entries are loaded and their rows found here, not in a helper: torch's trace of a
     # traced launch (pytorch#195628) counts every tensor a helper takes as written when the
     # helper's result addresses a store, and Inductor then copies each one; a loaded value ends
-    # the trace. (optim/fused.py _update_tile has the same lines.) Loaded before the tile's sums,
-    # as the weights' loads of a fused update need them (NOTES, session 43: 6.6% slower after).
+    # the trace. (optim/fused.py _update_tile has the same lines.) Loaded before the tile's sums:
+    # after them they would wait behind its stores to the upper levels (a fused update took 6.6%
+    # longer so; benchmarks/NOTES.md, session 43).
     j = tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     if FIRST:
         key = tl.load(keys + j, mask=j < n, other=-1)
