@@ -223,6 +223,37 @@ def test_rowwise_sparse_gradient_has_one_entry_per_touched_row(device, padding_i
     assert_close(grad._values(), w_t.grad[touched], torch.float32, reduction=x.numel())
 
 
+@requires_kernels
+def test_rowwise_grad_op_passes_opcheck():
+    """The opaque op a traced backward calls for the row-wise gradient (its output size is
+    the data's: a dynamic size in its fake kernel)."""
+    ids = torch.randint(0, 20, (40,), device=KERNEL_DEVICE)
+    ids[::5] = -1
+    src, scale = torch.randn(40, 8, device=KERNEL_DEVICE), torch.rand(40, device=KERNEL_DEVICE)
+    torch.library.opcheck(torch.ops.embfuse.rowwise_grad.default, (ids, src, None, scale, 20, 3, True, torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sparse", [True, "rowwise"])
+def test_compiled_sparse_gradient_is_torchs(device, sparse):
+    """The sparse gradients under torch.compile, at two batch sizes (the second with dynamic
+    shapes), as torch's float64 gradient."""
+    torch._dynamo.reset()
+    w0 = torch.randn(30, 8, device=device)
+    f = torch.compile(lambda x, w: embfuse.embedding(x, w, padding_idx=2, sparse=sparse).tanh(), fullgraph=True)
+    for B in (6, 9):
+        x = torch.randint(0, 30, (B, 5), device=device)
+        x[0, 0] = 2
+        w = w0.clone().requires_grad_()
+        out = f(x, w)
+        g = torch.randn_like(out)
+        (got,) = torch.autograd.grad(out, [w], g)
+        ref = w0.double().requires_grad_()
+        (want,) = torch.autograd.grad(F.embedding(x, ref, padding_idx=2).tanh(), [ref], g.double())
+        assert got.is_sparse
+        assert_close(got.to_dense(), want, torch.float32, reduction=B * 5)
+
+
 def test_sparse_must_name_a_gradient_layout():
     with pytest.raises(ValueError, match="sparse must be False, True, 'coo' or 'rowwise', got 'dense'"):
         embfuse.embedding(torch.tensor([1]), torch.randn(3, 2), sparse="dense")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -504,10 +505,28 @@ def rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq,
     return touched, values
 
 
+@torch.library.custom_op("embfuse::rowwise_grad", mutates_args=())
+def _rowwise_grad_op(ids: torch.Tensor, src: torch.Tensor, src_row: Optional[torch.Tensor],
+                     scale: Optional[torch.Tensor], num_rows: int, padding_idx: int, scale_by_freq: bool,
+                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rowwise_grad` as one opaque op of a traced backward (its output's size is the data's).
+    Traced into, it failed on the GPU three ways: branches on the distinct keys; torch 2.11
+    giving unique_consecutive's inverse the keys' dtype (pytorch#179401), so Inductor read the
+    ranks wrongly; and Inductor's re-inplacing pass asking the sparse tensor built from the
+    kernels' output for its storage (benchmarks/NOTES.md, session 44)."""
+    return rowwise_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype)
+
+
+@_rowwise_grad_op.register_fake
+def _(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, out_dtype):
+    touched = torch.library.get_ctx().new_dynamic_size()
+    return ids.new_empty(touched, dtype=torch.long), src.new_empty(touched, src.shape[1], dtype=out_dtype)
+
+
 def rowwise_sparse_grad(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, kernel):
     """sparse="rowwise": the row-wise gradient (Triton when `kernel`, else the reference) as
     torch's sparse tensor, coalesced, one entry per touched row."""
-    reduce = rowwise_grad if kernel else rowwise_grad_reference
+    reduce = (_rowwise_grad_op if tracing() else rowwise_grad) if kernel else rowwise_grad_reference
     touched, values = reduce(ids, src, src_row, scale, num_rows, padding_idx, scale_by_freq, src.dtype)
     return torch.sparse_coo_tensor(touched[None], values, (num_rows, values.shape[1]), is_coalesced=True,
                                    check_invariants=False)
