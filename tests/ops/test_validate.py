@@ -172,17 +172,21 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last,
 @requires_kernels
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4))
-def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B):
+@given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4), block=st.sampled_from([4, tuning.CHECK_BLOCK]))
+def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B, block):
     """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
-    ids (int64 and int32), bad offsets included. With `narrow` it also writes int64 values as the
-    int32 values the pooling reads."""
+    ids (int64 and int32), bad offsets included. With `narrow` it also writes int64 values packed
+    as the pooling reads them (bags.py PACKED_ROWS: int16 for small tables, int32 for the table
+    one row past them), in bounds whatever the offsets. Blocks of 4 values lie mostly inside one
+    feature; of CHECK_BLOCK, across all."""
     import itertools
 
+    from embfuse.ops.bags import PACKED_ROWS, unpacked_ids
     from embfuse.ops.collection import Plan
+    from embfuse.ops.deferred import launch_bags_check
     from embfuse.ops.validate import _collection_flags_reference, validate_collection
 
-    rows = data.draw(st.lists(st.integers(1, 9), min_size=F, max_size=F))
+    rows = data.draw(st.lists(st.sampled_from([1, 2, 5, 9, PACKED_ROWS, PACKED_ROWS + 1]), min_size=F, max_size=F))
     plan = Plan([(r, 4) for r in rows], [(f, "sum", 4 * f) for f in range(F)], KERNEL_DEVICE)
     lengths = data.draw(st.lists(st.integers(-1, 3), min_size=F * B, max_size=F * B))
     offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=dtype, device=KERNEL_DEVICE)
@@ -192,9 +196,20 @@ def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B):
     expected = _collection_flags_reference(values, offsets, plan.limits, B)
     keys = [f"f{i}" for i in range(F)]
     narrow = data.draw(st.booleans())
-    read, *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True, narrow=narrow)
-    assert read.dtype == (torch.int32 if narrow else dtype)
-    assert torch.equal(read.long(), values.long())  # (bad values too: these fit in int32)
+    packed = narrow and dtype == torch.int64
+    with unittest.mock.patch.object(tuning, "CHECK_BLOCK", block):
+        read, *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True,
+                                              narrow=narrow)
+    assert read.dtype == (torch.int16 if packed else dtype)
+    if not packed:
+        assert torch.equal(read.long(), values.long())  # (bad values too: these fit in int32)
+    elif not expected & BAD_OFFSETS:
+        assert torch.equal(unpacked_ids(read, offsets, plan.limits, B), values)  # (bad values too: int16 holds them)
+    if dtype == torch.int64:  # the packing alone, between guards: in bounds whatever the offsets
+        guard = torch.full((2 * n + 16,), 7, dtype=torch.int16, device=KERNEL_DEVICE)
+        with unittest.mock.patch.object(tuning, "CHECK_BLOCK", block):
+            launch_bags_check(None, None, values, offsets, plan.limits, B, out=guard[8:8 + 2 * n])
+        assert torch.equal(torch.cat([guard[:8], guard[-8:]]), torch.full_like(guard[:16], 7))
     got = int(check.status[0])
     # bad offsets are flagged by both; ids are compared only when the offsets are good
     assert bool(got & BAD_OFFSETS) == bool(expected & BAD_OFFSETS)
