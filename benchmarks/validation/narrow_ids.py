@@ -1,9 +1,7 @@
 """The check writing int64 ids as int32 for the lookup (tuning.NARROW_IDS), A/B in one process:
 `off` (ids as given), the default with the narrowed ids, the default without (NARROW_IDS out of
-reach); for the collection also the default with every table's ids narrowed to int32, not packed
-(bags.py PACKED_ROWS: int16 for small tables; the form before session 45). Each cell: GPU time
-(the call's kernels, profiler, L2 cleared before each call) and do_bench's median (host time
-shows there), the middle of three alternating rounds. Rows: forward
+reach). Each cell: GPU time (the call's kernels, profiler, L2 cleared before each call) and
+do_bench's median (host time shows there), the middle of three alternating rounds. Rows: forward
 lookups without gradient, with `off` on int32 ids beside them (what the pooling alone gains): one
 table over widths and dtypes, and the 26-table Criteo-like collection (the keyed check).
 
@@ -18,11 +16,10 @@ from triton.testing import do_bench
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
 from embfuse.bench.workloads import Workload, generate_batch
-from embfuse.ops import tuning, validate
+from embfuse.ops import tuning
 
 NEVER = 1 << 62
 AT = tuning.NARROW_IDS
-NARROW_OUT = validate._narrow_out
 BATCHES = (2048, 4096, 8192, 16384)  # the collection rows
 
 
@@ -52,18 +49,6 @@ def with_narrow(at, f):
     def call():
         tuning.NARROW_IDS = at
         return f()
-    return call
-
-
-def unpacked(f):
-    """`f` with its check writing every table's ids as int32 (validate._narrow_out's `packed` dropped)."""
-    def call():
-        validate._narrow_out = lambda indices, num_embeddings, kernel, packed=False: NARROW_OUT(indices,
-                                                                                               num_embeddings, kernel)
-        try:
-            return with_narrow(-1, f)()
-        finally:
-            validate._narrow_out = NARROW_OUT
     return call
 
 
@@ -101,7 +86,7 @@ def collection_rows():
         off, ebc = make_collection(w, "cuda", bounds_check="off"), make_collection(w, "cuda")
         f = lambda: ebc(kjt).values()
         calls = {"off": lambda: off(kjt).values(), "off32": lambda: off(k32).values(),
-                 "packed": with_narrow(-1, f), "int32": unpacked(f), "as given": with_narrow(NEVER, f)}
+                 "narrowed": with_narrow(-1, f), "as given": with_narrow(NEVER, f)}
         with torch.no_grad():
             row(f"collection 26 x 128 B{B} L1-99 powerlaw ({kjt.values().numel() / 1e6:.1f}M ids)", calls)
         del off, ebc
@@ -116,8 +101,6 @@ if __name__ == "__main__":
     if "table" in parts:
         forward_rows()
     if "collection" in parts:
-        print("\n| collection | off | off, int32 ids | default, packed | default, int32 | default, as given |")
-        print("|---|---|---|---|---|---|")
         collection_rows()
     tuning.NARROW_IDS = AT
     embfuse.check_errors()

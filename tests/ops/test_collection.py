@@ -1,11 +1,7 @@
 """The table-batched kernels (interpreted on the CPU in CI) against the float64 references."""
 
-import contextlib
-
 import pytest
 import torch
-
-from embfuse import check_errors
 
 from embfuse.ops import tuning
 from embfuse.ops.bags import POOL, WEIGHT_SUMS, backward_inputs, backward_inputs_reference, bag_of_value
@@ -82,44 +78,6 @@ def test_few_long_bags_match_float64(weighted, pooling_warps):
     ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), P.meta, B,
                                P.total_dim, P.max_dim)
     assert_close(out, ref, torch.float32, reduction=250)
-
-
-@requires_kernels
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("bad", [False, True])
-@pytest.mark.parametrize("block", [4, tuning.CHECK_BLOCK])
-def test_forward_pools_packed_ids_as_the_ids_given(weighted, bad, block, monkeypatch):
-    """A forward's int64 ids as its check packs them (bags.py PACKED_ROWS: int16 for FEATURES'
-    tables, int32 for one a row past that, read by two features) pool bitwise as the ids given;
-    a bad batch's pools nothing. Check blocks of 4 values lie mostly inside one feature."""
-    monkeypatch.setattr(tuning, "CHECK_BLOCK", block)
-    from embfuse.ops.bags import PACKED_ROWS
-    from embfuse.ops.validate import validate_collection
-
-    B = 4
-    tables = TABLES + [(PACKED_ROWS + 1, 4)]
-    features = [(0, "sum"), (4, "mean"), (1, "mean"), (3, "sum"), (4, "sum")]
-    cols = [0, 3, 7, 23, 56]
-    P = Plan(tables, [(t, p, c) for (t, p), c in zip(features, cols)], KERNEL_DEVICE)
-    lengths = torch.randint(0, 5, (len(features) * B,))
-    lengths[B] = 3  # (values of the wide table, from one bag on)
-    feats = torch.arange(len(features)).repeat_interleave(B).repeat_interleave(lengths)
-    rows = torch.tensor([tables[t][0] for t, _ in features])[feats]
-    values = (torch.rand(feats.numel()) * rows).long().to(KERNEL_DEVICE)
-    if bad:
-        values[-1] = PACKED_ROWS + 1
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
-    psw = torch.rand(values.numel(), device=KERNEL_DEVICE) + 0.5 if weighted else None
-    keys = [f"f{f}" for f in range(len(features))]
-    packed, _, _, check = validate_collection(values, offsets, psw, P.limits, B, keys, keys, kernel=True, narrow=True)
-    assert packed.dtype == torch.int16
-    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE)
-    out = collection_forward(weights, packed, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec,
-                             status=check.status)
-    given = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
-    assert torch.equal(out, torch.zeros_like(out) if bad else given)
-    with pytest.raises(IndexError, match="feature 'f4'") if bad else contextlib.nullcontext():
-        check_errors()
 
 
 @requires_kernels

@@ -411,8 +411,7 @@ class EmbeddingBagCollection(_Collection):
             raise NotImplementedError("a padded batch cannot be looked up with TensorFlow's safe rules or trained "
                                       "with hot_rows; unpad() it")
         resident = None if trains else self._resident(plan, kjt.values(), kjt.offsets(), B)
-        # a large forward reads its int64 ids as the check packs them: int16 for small tables, else int32
-        # (bags.py PACKED_ROWS; benchmarks/NOTES.md, sessions 35 and 45)
+        # a large forward reads its int64 ids as the int32 the check writes (benchmarks/NOTES.md, session 35)
         narrow = not trains and plan.rules is None and tuning.narrows(plan.narrow_dim, kjt.values().numel())
         values, offsets, psw, check = validate_collection(
             kjt.values(), kjt.offsets(), psw, plan.limits, B, keys,

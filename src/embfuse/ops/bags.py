@@ -49,13 +49,6 @@ K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN, K_SKIPPED = constexprs(SUM, MEAN, MAX, S
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 K_UNROLL_COLUMNS, K_UNROLL_STEPS = constexprs(*tuning.WEIGHTED_UNROLL)
 
-# a keyed batch's ids as its check may write them for the pooling (tuning.narrows): "packed", an
-# int16 array of 2n elements over the n values' int32 slots. Feature f's ids are int16 at element
-# offsets[f * B] + p (the first half of its own slots) where its table has at most PACKED_ROWS
-# rows, else int32 at slot p. Criteo's small tables hold most of a batch's ids (unpacked_ids)
-PACKED_ROWS = 1 << 15
-(K_PACKED_ROWS,) = constexprs(PACKED_ROWS)
-
 
 def _single_meta(rows: int, dim: int, mode: int, device) -> Tensor:
     return torch.tensor([[0, dim, 0, mode, 0, rows, 0]], dtype=torch.int64, device=device)
@@ -99,17 +92,6 @@ def bag_of_value(offsets: Tensor, n: int) -> Tensor:
     starts = torch.zeros(n + 1, dtype=torch.int64)
     starts.index_add_(0, offsets.clamp(0, n).long(), torch.ones(offsets.shape, dtype=torch.int64))
     return starts[:n].cumsum(0) - 1
-
-
-def unpacked_ids(packed: Tensor, offsets: Tensor, limits: Tensor, B: int) -> Tensor:
-    """The int64 ids of a keyed batch's `packed` ids (PACKED_ROWS; limits[f]: rows of feature f's
-    table), by torch ops: the oracle of the check's packing. Values past the last bag read as
-    the last feature's."""
-    n = packed.numel() // 2
-    f = (bag_of_value(offsets, n) // max(B, 1)).clamp(0, limits.numel() - 1)
-    at = offsets.long()[f * max(B, 1)] + torch.arange(n, device=packed.device)
-    small = limits.abs()[f] <= PACKED_ROWS
-    return torch.where(small, packed[at.clamp(0, 2 * n - 1)].long(), packed.view(torch.int32).long())
 
 
 def held_offsets(offsets: Tensor, n: int) -> Tensor:
@@ -194,33 +176,6 @@ def program_bags(FB, B, BAGS: tl.constexpr):
     that copy failed to compile, pytorch#181735; benchmarks/NOTES.md, session 42)."""
     g = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
     return g, g < FB, g // B
-
-
-@triton.jit
-def features_at(offsets, p, B, F, STEPS: tl.constexpr):
-    """The feature whose values hold each position of `p`: the last f in [0, F) with
-    offsets[f * B] <= p (a binary search of the feature starts, all lanes at once; clamped into
-    [0, F) whatever the offsets say)."""
-    lo = tl.zeros(p.shape, dtype=tl.int64)
-    hi = lo + F - 1
-    for _ in range(STEPS):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(offsets + mid * B).to(tl.int64) <= p
-        lo = tl.where(up & (lo < hi), mid, lo)
-        hi = tl.where(up | (lo >= hi), hi, mid - 1)
-    return lo
-
-
-@triton.jit
-def store_packed(out, v, p, start, hold, limit, mask):
-    """Ids `v` at positions `p` of one feature (its first value at `start`, held inside [0, hold]
-    so that bad offsets write in bounds too; |limit| rows in its table), packed into `out` as
-    PACKED_ROWS says: int16 at element start + p, or int32 at slot p."""
-    at = tl.minimum(tl.maximum(start.to(tl.int64), 0), hold)
-    small = tl.abs(limit) <= K_PACKED_ROWS
-    # (wheres, not mask & small: the interpreter's & of a block and a loaded scalar is no mask)
-    tl.store(out + at + p, v.to(tl.int16), mask=tl.where(small, mask, False))
-    tl.store(out.to(tl.pointer_type(tl.int32)) + p, v.to(tl.int32), mask=tl.where(small, False, mask))
 
 
 @triton.jit

@@ -19,11 +19,11 @@ from torch import Tensor
 from embfuse import _handles
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
-from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_PACKED_ROWS, K_POOL, K_ROWS, K_SUM,
-                              KEY_START, META_COLUMNS, K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS,
-                              SCALED, WEIGHT_SUMS, accumulation, backward_inputs, backward_inputs_reference,
-                              bag_norms_reference, divide, divide_reference, guard_bags, held_offsets, pool_bag,
-                              pool_norm, torch_cpu)
+from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
+                              K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
+                              accumulation,
+                              backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
+                              divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
 from embfuse.ops.safe import safe_rules
 from embfuse.ops.segments import Layout, reduce_segments, segment_grad_reference, table_starts
@@ -132,9 +132,10 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
-    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, PACKED: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr,
-    ACT: tl.constexpr, HAS_LW: tl.constexpr, HAS_LB: tl.constexpr,
+    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_LW: tl.constexpr,
+    HAS_LB: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
@@ -150,24 +151,13 @@ def _collection_fwd_kernel(
     table = weights + tl.multiple_of(tl.load(meta + f * stride_m + K_ELEM_START), VEC)
     col = tl.multiple_of(tl.load(meta + f * stride_m + K_OUT_COL), VEC)
     pool = tl.load(meta + f * stride_m + K_POOL)
-    if PACKED:  # (bags.py PACKED_ROWS: the feature's ids are int16 from element offsets[f * B] on, or int32)
-        small = tl.load(meta + f * stride_m + K_ROWS) <= K_PACKED_ROWS
-        ids16 = values + tl.load(offsets + f * B)
     if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
         end = tl.where(tl.load(status) == 0, end, start)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
-        if not PACKED:
-            result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED,
-                                              pool == K_SQRTN, 0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
-        elif small:
-            result, _, count, wsum = pool_bag(table, ids16, psw, start, end, cols, cmask, D, K_SKIPPED,
-                                              pool == K_SQRTN, 0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
-        else:
-            result, _, count, wsum = pool_bag(table, values.to(tl.pointer_type(tl.int32)), psw, start, end, cols,
-                                              cmask, D, K_SKIPPED, pool == K_SQRTN, 0, HAS_PSW, SKIP, WSUM, BLOCK_L,
-                                              BLOCK_D, EVICT)
+        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED, pool == K_SQRTN,
+                                          0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:
@@ -189,8 +179,7 @@ def _collection_fwd_kernel(
 
 def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_dim, vec=1, config=None, status=None,
                        weight_sums=True, epilogue=None, skips=False):
-    """Triton launcher; int16 `values`: the ids as a check packed them (bags.py PACKED_ROWS);
-    `vec`: a power of two dividing every width (Layout.vec), for vector loads;
+    """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
     `config`: launch-shape overrides for sweeps (tuning.bag_shape); `weight_sums`: Plan's (some
     feature's norm sums its weights: weighted bags then sum their terms); `skips`: Plan's (the
     batch holds SKIPPED ids, passed over). `epilogue`: (ln_weight (F, D) or
@@ -200,16 +189,14 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     out = torch.empty(B, total_dim, dtype=weights.dtype, device=weights.device)
     if B == 0 or total_dim == 0:
         return out
-    packed = values.dtype == torch.int16
-    cfg = tuning.pooling_shape(max_dim, values.numel() // (2 if packed else 1), F * B, config, tracing(),
-                               weights.element_size())
+    cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing(), weights.element_size())
     ln_w, ln_b, eps, act = epilogue if epilogue is not None else (None, None, 0.0, "none")
     if epilogue is not None and (cfg["BLOCK_D"] < max_dim or total_dim != F * max_dim):
         raise ValueError(f"a LayerNorm epilogue needs every feature {max_dim} wide and at most 256 wide")
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw, status, meta, out, B, out.stride(0), meta.stride(0), ln_w, ln_b, float(eps),
         HAS_PSW=psw is not None,
-        WSUM=psw is not None and weight_sums, SKIP=skips, STATUS=status is not None, PACKED=packed, VEC=vec,
+        WSUM=psw is not None and weight_sums, SKIP=skips, STATUS=status is not None, VEC=vec,
         EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
         HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)
     return out

@@ -30,7 +30,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
-from embfuse.ops.bags import features_at, store_packed
 from embfuse.ops.errors import BadBatchError, BadIdError
 from embfuse.ops import tuning
 from embfuse.ops.residency import hot_ids
@@ -132,13 +131,27 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
                       status_next, ring, slot, seq, out, info, words, BLOCK, CHECK, REMAP, CLAMP_LAST, HOT)
 
 
+@triton.jit
+def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
+    """The feature whose values hold each position of `p`: the last f in [0, F) with
+    offsets[f * B] <= p (a binary search of the feature starts, all lanes at once; clamped into
+    [0, F) whatever the offsets say)."""
+    lo = tl.zeros(p.shape, dtype=tl.int64)
+    hi = lo + F - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(offsets + mid * B).to(tl.int64) <= p
+        lo = tl.where(up & (lo < hi), mid, lo)
+        hi = tl.where(up | (lo >= hi), hi, mid - 1)
+    return lo
+
+
 # F is never a constant: with F == 1 the feature search folds away and Triton 3.6's coalesce
 # pass asserted on the one-limit branch below (an H100 run, benchmarks/NOTES.md session 16)
 @triton.jit(do_not_specialize=["slot", "seq", "F"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
-                       REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr,
-                       PACKED: tl.constexpr):
+                       REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
@@ -147,8 +160,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
     lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
     (benchmarks/NOTES.md, sessions 10 and 14). REMAP, HOT, CHECK: as check_ids_program (info:
-    ops/residency.py Resident.info). PACKED (with REMAP, not HOT): `out` gets the ids packed
-    (bags.py PACKED_ROWS: the int16 `out` of 2n elements).
+    ops/residency.py Resident.info).
     TAIL: a padded batch (sparse/padded.py): offsets end at most at n, and the values after
     offsets[FB] belong to no bag and are neither checked nor remapped."""
     pid = tl.program_id(0)
@@ -159,7 +171,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
     # the features at every block's first value (and the next program's), searched at once
     j = tl.arange(0, 2 * CHUNKS)
-    f_at = features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
+    f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
     bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
     lane = tl.arange(0, BLOCK)
@@ -180,17 +192,11 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
             one = tl.load(limits + f_first)
             rows = tl.minimum(tl.abs(one), MAX_ID).to(v.dtype)  # (a table past MAX_ID rows holds every id)
             bad = in_values & (((v < 0) & (one > 0)) | ((v >= rows) & (tl.abs(one) <= MAX_ID)))
-            if PACKED:
-                store_packed(out, v, first + lane, tl.load(offsets + f_first * B), first, one, in_values)
         else:
             limit = tl.load(limits + f, mask=in_values, other=0)
             bad = in_values & (((v < 0) & (limit > 0)) | (v >= tl.abs(limit)))
-            if PACKED:
-                p = first + lane
-                store_packed(out, v, p, tl.load(offsets + f.to(tl.int64) * B, mask=in_values, other=0), p, limit,
-                             in_values)
         bad_any = tl.maximum(bad_any, bad.to(tl.int32))
-        if REMAP and not PACKED:
+        if REMAP:
             new = v
             if HOT:
                 first_row = tl.load(info + f * 3, mask=in_values, other=0)
@@ -506,9 +512,8 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
 
 
 def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):
-    """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check, and an
-    int16 `out` gets the ids packed (bags.py PACKED_ROWS); `tail`: a padded batch (values past the
-    last offset belong to no bag)."""
+    """The check of a keyed batch; `resident`, `out`, `check` None: as launch_ids_check; `tail`:
+    a padded batch (values past the last offset belong to no bag)."""
     FB, n, block = offsets.numel() - 1, values.numel(), tuning.CHECK_BLOCK
     F = max(1, FB // max(B, 1))
     chunks = tuning.check_chunks(max(n, FB + 1))
@@ -517,7 +522,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         None if resident is None else resident.info, None if resident is None else resident.words,
         BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
         REMAP=out is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, HOT=resident is not None,
-        PACKED=out is not None and out.dtype == torch.int16, num_warps=tuning.CHECK_WARPS)
+        num_warps=tuning.CHECK_WARPS)
 
 
 def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,

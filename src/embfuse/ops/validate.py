@@ -369,8 +369,7 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
     feature, its table, the position and the sample. `tail`: a padded batch (sparse/padded.py),
     whose lengths add up to at most the values and whose values past them are not checked.
     `positions`: each value's position in the caller's order, for the messages (_bad_value_message).
-    `narrow`: as validate_bags', but the int64 ids come back packed (bags.py PACKED_ROWS: int16 for
-    small tables; the caller knows every table's ids fit in int32)."""
+    `narrow`: as validate_bags' (the caller knows every table's ids fit in int32)."""
     check_bounds_mode(bounds_check)
     check_index_dtype("values", values)
     check_index_dtype("lengths", offsets)
@@ -396,7 +395,7 @@ def validate_collection(values: torch.Tensor, offsets: torch.Tensor, psw: Option
         return values, offsets, psw, TracedCheck(_check_bags_op(values, offsets, limits, B, join_names(keys),
                                                                 join_names(tables), traced_mode(bounds_check), tail))
     if narrow and remap is None:
-        out = _narrow_out(values, 0, kernel, packed=True)
+        out = _narrow_out(values, 0, kernel)
     check, keep = _check_collection(values, offsets, limits, B, keys, tables, bounds_check, fresh, kernel, remap,
                                     out, tail, positions)
     if keep is None:
@@ -413,16 +412,14 @@ def _remap_out(values, remap):
                             memory_format=torch.contiguous_format)
 
 
-def _narrow_out(indices, num_embeddings, kernel, packed=False):
+def _narrow_out(indices, num_embeddings, kernel):
     """Where the check of int64 ids (kernels only) also writes them as int32, for the pooling to
-    read (benchmarks/NOTES.md, session 34), or None; `packed`: as bags.py packs a keyed batch's
-    (session 45)."""
+    read (benchmarks/NOTES.md, session 34), or None."""
     if (indices.dtype != torch.int64 or max(indices.numel(), num_embeddings) > INT32_MAX
             or not (use_kernels(indices) if kernel is None else kernel)):
         return None
     # (empty_like: 4.7 us of host time on the H100 against 8.5-9.5 for torch.empty(shape, device=))
-    out = torch.empty_like(indices, dtype=torch.int32, memory_format=torch.contiguous_format)
-    return out.view(torch.int16) if packed else out
+    return torch.empty_like(indices, dtype=torch.int32, memory_format=torch.contiguous_format)
 
 
 def _remapped(values, offsets, limits, B, remap, num_embeddings, out, kernel):
