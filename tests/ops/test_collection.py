@@ -81,6 +81,27 @@ def test_few_long_bags_match_float64(weighted, pooling_warps):
 
 
 @requires_kernels
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("max_len", [9, 40])
+def test_int32_values_pool_as_int64_values(weighted, max_len):
+    """int32 values pool bitwise as the same int64 values, also from a view that starts at an odd
+    element (4-byte aligned only), in tiles of 4 and 16 rows (the other int32 tests here pool
+    one row a step: their bags are short)."""
+    B = 7
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=max_len)
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    args = (P.meta, B, P.total_dim, P.max_dim, P.layout.vec)
+    want = collection_forward(weights, values, offsets, psw, *args)
+    ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.double(), *args[:-1])
+    assert_close(want, ref, torch.float32, reduction=max_len)
+    assert torch.equal(collection_forward(weights, values.int(), offsets, psw, *args), want)
+    odd = torch.cat([values.new_zeros(1), values]).int()[1:]
+    assert odd.data_ptr() % 8 == 4
+    assert torch.equal(collection_forward(weights, odd, offsets, psw, *args), want)
+
+
+@requires_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
