@@ -82,6 +82,30 @@ def test_few_long_bags_match_float64(weighted, pooling_warps):
 
 @requires_kernels
 @pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_of_one_width_match_float64(weighted, dtype):
+    """Every feature as wide as the pooling's column block (16 here): the kernel's FULL form, a
+    constant width without column masks; every pooling mode, a table read by two features."""
+    B, D = 6, 16
+    tables = [(11, D), (7, D), (5, D)]
+    modes = ["sum", "mean", "sqrtn", "wmean", "sum"]
+    P = Plan(tables, [(t, p, D * f) for f, (t, p) in enumerate(zip([0, 1, 0, 2, 1], modes))], KERNEL_DEVICE)
+    lengths = torch.randint(0, 6, (len(modes) * B,))
+    feats = torch.arange(len(modes)).repeat_interleave(B).repeat_interleave(lengths)
+    rows = torch.tensor([tables[t][0] for t in [0, 1, 0, 2, 1]])[feats]
+    values = (torch.rand(feats.numel()) * rows).long().to(KERNEL_DEVICE)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(KERNEL_DEVICE)
+    psw = torch.rand(values.numel(), device=KERNEL_DEVICE) + 0.5 if weighted else None
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE).to(dtype)
+    out = collection_forward(weights, values, offsets, None if psw is None else psw.to(dtype), P.meta, B,
+                             P.total_dim, P.max_dim, P.layout.vec)
+    ref = collection_reference(weights.double(), values, offsets, None if psw is None else psw.to(dtype).double(),
+                               P.meta, B, P.total_dim, P.max_dim)
+    assert_close(out, ref, dtype, reduction=6)
+
+
+@requires_kernels
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("max_len", [9, 40])
 def test_int32_values_pool_as_int64_values(weighted, max_len):
     """int32 values pool bitwise as the same int64 values, also from a view that starts at an odd

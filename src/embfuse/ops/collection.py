@@ -132,18 +132,22 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
 @triton.jit
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
-    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_LW: tl.constexpr,
-    HAS_LB: tl.constexpr,
+    HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, FULL: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, VEC: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr, HAS_LW: tl.constexpr, HAS_LB: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     f = g // B
     first_col = tl.program_id(1) * BLOCK_D
     # widths, table starts and output columns are multiples of VEC (the widths' power-of-two
     # factor): said so, the row gathers become VEC-wide vector loads (16 bytes for fp32 at VEC
-    # 4); read from `meta` unannotated they were 4-byte loads
-    D = tl.multiple_of(tl.load(meta + f * stride_m + K_DIM), VEC)
+    # 4); read from `meta` unannotated they were 4-byte loads. FULL: every feature BLOCK_D wide,
+    # a constant width without column masks (the Criteo collection 8% faster, its tables of at
+    # most 32 rows 15%: benchmarks/NOTES.md, session 45)
+    if FULL:
+        D = BLOCK_D
+    else:
+        D = tl.multiple_of(tl.load(meta + f * stride_m + K_DIM), VEC)
     # every scalar the program needs, loaded before the test on D (in bounds for any bag), so
     # that their latencies overlap instead of following one another
     start = tl.load(offsets + g).to(tl.int64)
@@ -155,7 +159,10 @@ def _collection_fwd_kernel(
         end = tl.where(tl.load(status) == 0, end, start)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
-        cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
+        if FULL:
+            cmask = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
         result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED, pool == K_SQRTN,
                                           0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
@@ -197,6 +204,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
         weights, values, offsets, psw, status, meta, out, B, out.stride(0), meta.stride(0), ln_w, ln_b, float(eps),
         HAS_PSW=psw is not None,
         WSUM=psw is not None and weight_sums, SKIP=skips, STATUS=status is not None, VEC=vec,
+        FULL=cfg["BLOCK_D"] == max_dim and one_width(meta, total_dim, max_dim),
         EPILOGUE=epilogue is not None, ACT=ACTIVATIONS.index(act),
         HAS_LW=ln_w is not None, HAS_LB=ln_b is not None, **cfg)
     return out
