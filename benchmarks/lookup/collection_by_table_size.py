@@ -9,6 +9,7 @@ pooling), and FBGEMM NONE with int64 values. One H100 run: benchmarks/NOTES.md, 
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,22 +18,13 @@ from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.peers import Unsupported, fbgemm_tbe
 from embfuse.bench.workloads import Workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "validation"))
+from narrow_ids import gpu_time  # noqa: E402
+
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
 rows = table_rows(w)
 by_key = make_batch(w, "cuda").to_dict()
-flush = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-
-
-def gpu_us(f, calls=20):
-    f()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.bitwise_not_()
-            f()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and "bitwise_not" not in e.name) / calls
 
 
 def batch(keys, dtype):
@@ -55,10 +47,10 @@ with torch.no_grad():
             [embfuse.EmbeddingBagConfig(rows[i], w.dim, f"t{i}", feature_names=[f"f{i}"]) for i in idx],
             device="cuda", bounds_check="off")
         b64, b32 = batch(keys, torch.int64), batch(keys, torch.int32)
-        cells = [gpu_us(lambda: ebc(b64).values()), gpu_us(lambda: ebc(b32).values())]
+        cells = [gpu_time(lambda: ebc(b64).values()), gpu_time(lambda: ebc(b32).values())]
         try:
             tbe = fbgemm_tbe([(rows[i], w.dim) for i in idx], checked=False)
-            cells.append(gpu_us(lambda: tbe(b64.values(), b64.offsets())))
+            cells.append(gpu_time(lambda: tbe(b64.values(), b64.offsets())))
         except Unsupported:
             cells.append(float("nan"))
         print(f"| {name} | {len(idx)} | {b64.values().numel() / 1e6:.1f}M | "
