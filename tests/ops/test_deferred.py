@@ -41,6 +41,23 @@ def test_forward_kernels_read_nothing_of_a_bad_batch(mode):
 
 
 @requires_kernels
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_a_good_status_pools_as_no_status(mode):
+    """The other side of the guard: a passed check (flags 0) leaves every bag as it is."""
+    dev, good = KERNEL_DEVICE, torch.tensor([0, 2], dtype=torch.int32, device=KERNEL_DEVICE)
+    w = torch.randn(6, 8, device=dev)
+    ids, offsets = torch.tensor([0, 5, 2, 1, 3, 4], device=dev), torch.tensor([0, 2, 2, 5], device=dev)
+    assert torch.equal(embedding_bag_forward(w, ids, offsets, None, mode, -1, status=good)[0],
+                       embedding_bag_forward(w, ids, offsets, None, mode, -1)[0])
+    assert torch.equal(embedding_forward(w, ids, status=good), embedding_forward(w, ids))
+    plan = Plan([(6, 8), (4, 8)], [(0, "sum", 0), (1, "mean", 8)], dev)
+    table = torch.randn(80, device=dev)
+    run = lambda **kw: collection_forward(table, ids, torch.tensor([0, 2, 2, 4, 5], device=dev), None, plan.meta,
+                                          2, 16, 8, 8, **kw)
+    assert torch.equal(run(status=good), run()) and run().abs().sum() > 0
+
+
+@requires_kernels
 def test_backward_inputs_of_a_bad_batch_name_no_row():
     """Every position gets row -1 and a bag in range, whatever the offsets (they may not cover
     the input): the reduction then reads and writes nothing."""

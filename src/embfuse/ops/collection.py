@@ -155,8 +155,9 @@ def _collection_fwd_kernel(
     table = weights + tl.multiple_of(tl.load(meta + f * stride_m + K_ELEM_START), VEC)
     col = tl.multiple_of(tl.load(meta + f * stride_m + K_OUT_COL), VEC)
     pool = tl.load(meta + f * stride_m + K_POOL)
-    if STATUS:  # a batch its check found bad pools nothing (ops/validate.py)
-        end = tl.where(tl.load(status) == 0, end, start)
+    if STATUS:  # a batch its check found bad pools nothing (ops/validate.py); as a product,
+        # not a select: 63 registers instead of 66 at FULL (benchmarks/NOTES.md, session 46)
+        end = start + (end - start) * (tl.load(status) == 0)
     if first_col < D:  # narrower features leave their last column blocks idle
         cols = first_col + tl.arange(0, BLOCK_D)
         if FULL:
