@@ -105,6 +105,23 @@ def test_kernel_matches_float64_reference(D, dtype, index_dtype, mode, weighted,
 
 
 @requires_kernels
+@pytest.mark.parametrize("mode", [SUM, MAX])
+@pytest.mark.parametrize("wide", ["weight", "out"])
+def test_rows_strided_wider_than_the_pooled_width(mode, wide):
+    """A table or an output whose rows lie further apart than D (a column slice): the pooling
+    addresses them by their strides, also where D is a whole column block (tuning.bag_shape)."""
+    weight, ids, offsets, _ = _case(16, torch.float32, torch.int64, False)
+    if wide == "weight":
+        weight = torch.cat([weight, torch.randn_like(weight)], 1)[:, :16]
+    buf = torch.full((offsets.numel() - 1, 24), float("nan"), device=weight.device)
+    out, _ = embedding_bag_forward(weight, ids, offsets, None, mode, -1, out=buf[:, :16] if wide == "out" else None)
+    assert_close(out, embedding_bag_reference(weight.double(), ids, offsets, None, mode, -1)[0], torch.float32,
+                 reduction=MAX_LEN)
+    if wide == "out":
+        assert buf[:, 16:].isnan().all()
+
+
+@requires_kernels
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_a_lookup_without_gradients_hands_torchs_offsets_to_the_kernel(mode, monkeypatch):
     """The public call without gradients: the kernel takes torch's offsets as given, B starts or
