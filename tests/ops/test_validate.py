@@ -172,13 +172,15 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last,
 @requires_kernels
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4), block=st.sampled_from([4, tuning.CHECK_BLOCK]))
-def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B, block):
+@given(data=st.data(), F=st.integers(1, 6), B=st.integers(1, 4), block=st.sampled_from([4, tuning.CHECK_BLOCK]),
+       features=st.sampled_from([2, tuning.CHECK_FEATURES]))
+def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B, block, features):
     """The check kernel of a keyed batch flags what the torch-op check flags, on any lengths and
     ids (int64 and int32), bad offsets included. With `narrow` it also writes int64 values as the
     int32 values the pooling reads. Blocks of 4 values lie mostly inside one feature (the
-    kernel's one-limit branch); of CHECK_BLOCK, across all of them. Offsets have at most one
-    fault, ids at most one id at or past an edge of its feature's table, so that one decides."""
+    kernel's one-limit branch); of CHECK_BLOCK, across all of them. Feature starts are counted 2
+    at a time (several rounds) or all at once. Offsets have at most one fault, ids at most one id
+    at or past an edge of its feature's table, so that one decides."""
     import itertools
 
     from embfuse.ops.bags import bag_of_value
@@ -202,7 +204,8 @@ def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B, bloc
     expected = _collection_flags_reference(values, offsets, plan.limits, B)
     keys = [f"f{i}" for i in range(F)]
     narrow = data.draw(st.booleans())
-    with unittest.mock.patch.object(tuning, "CHECK_BLOCK", block):
+    with unittest.mock.patch.object(tuning, "CHECK_BLOCK", block), \
+            unittest.mock.patch.object(tuning, "CHECK_FEATURES", features):
         read, *_, check = validate_collection(values, offsets, None, plan.limits, B, keys, keys, kernel=True,
                                               narrow=narrow)
     assert read.dtype == (torch.int32 if narrow else dtype)

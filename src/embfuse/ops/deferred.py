@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from embfuse._triton import cdiv, constexprs, launch, tl, tracing, triton
+from embfuse._triton import cdiv, constexprs, launch, next_pow2, tl, tracing, triton
 from embfuse.ops.errors import BadBatchError, BadIdError
 from embfuse.ops import tuning
 from embfuse.ops.residency import hot_ids
@@ -132,31 +132,30 @@ def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, st
 
 
 @triton.jit
-def _features_at(offsets, p, B, F, STEPS: tl.constexpr):
+def _features_at(offsets, p, B, F, FBLOCK: tl.constexpr):
     """The feature whose values hold each position of `p`: the last f in [0, F) with
-    offsets[f * B] <= p (a binary search of the feature starts, all lanes at once; clamped into
-    [0, F) whatever the offsets say)."""
-    lo = tl.zeros(p.shape, dtype=tl.int64)
-    hi = lo + F - 1
-    for _ in range(STEPS):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(offsets + mid * B).to(tl.int64) <= p
-        lo = tl.where(up & (lo < hi), mid, lo)
-        hi = tl.where(up | (lo >= hi), hi, mid - 1)
-    return lo
+    offsets[f * B] <= p, clamped into [0, F) whatever the offsets say. The starts are counted,
+    FBLOCK at a time, so that their loads go out together (a binary search of them waited on one
+    load a step: benchmarks/NOTES.md, session 46)."""
+    count = tl.zeros(p.shape, dtype=tl.int32)
+    for first in range(0, F, FBLOCK):
+        k = first + tl.arange(0, FBLOCK)
+        start = tl.load(offsets + k.to(tl.int64) * B, mask=k < F, other=0).to(tl.int64)
+        count += tl.sum(((start[None, :] <= p[:, None]) & (k < F)[None, :]).to(tl.int32), axis=1)
+    return tl.maximum(count - 1, 0).to(tl.int64)
 
 
 # F is never a constant: with F == 1 the feature search folds away and Triton 3.6's coalesce
 # pass asserted on the one-limit branch below (an H100 run, benchmarks/NOTES.md session 16)
 @triton.jit(do_not_specialize=["slot", "seq", "F"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
-                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, CHECK: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FBLOCK: tl.constexpr, CHECK: tl.constexpr,
                        REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr):
     """A keyed batch (F * B bags, feature-major): offsets from 0 to n, never decreasing; each
     value inside its feature's table (limits[f] rows; -rows: ids < 0 allowed too). One flat pass: program i reads CHUNKS
     blocks of BLOCK values (and offsets) from i * CHUNKS * BLOCK on, and reports once. The
-    features at the blocks' first values come from one binary search of the feature starts, all
-    blocks at once (STEPS = bits of F), each value's from the few feature starts inside its block:
+    features at the blocks' first values come from one count of the feature starts, all blocks
+    at once (_features_at), each value's from the few feature starts inside its block:
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
     lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
     (benchmarks/NOTES.md, sessions 10 and 14). REMAP, HOT, CHECK: as check_ids_program (info:
@@ -171,7 +170,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
     # the features at every block's first value (and the next program's), searched at once
     j = tl.arange(0, 2 * CHUNKS)
-    f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, STEPS)
+    f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, FBLOCK)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
     bad_off_any = tl.zeros([BLOCK], dtype=tl.int32)
     lane = tl.arange(0, BLOCK)
@@ -520,7 +519,7 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
     launch(_check_bags_kernel)[(max(1, cdiv(max(n, FB + 1), block * chunks)),)](
         values, offsets, limits, n, FB, max(B, 1), F, *_check_args(log, check), out,
         None if resident is None else resident.info, None if resident is None else resident.words,
-        BLOCK=block, CHUNKS=chunks, STEPS=max(1, (F - 1).bit_length()), CHECK=check is not None,
+        BLOCK=block, CHUNKS=chunks, FBLOCK=min(next_pow2(F), tuning.CHECK_FEATURES), CHECK=check is not None,
         REMAP=out is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, HOT=resident is not None,
         num_warps=tuning.CHECK_WARPS)
 
