@@ -168,7 +168,7 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     else:
         real = n
     start = pid.to(tl.int64) * (CHUNKS * BLOCK)
-    # the features at every block's first value (and the next program's), searched at once
+    # the features at every block's first value (and the next program's), found at once
     j = tl.arange(0, 2 * CHUNKS)
     f_at = _features_at(offsets, start + j.to(tl.int64) * BLOCK, B, F, FBLOCK)
     bad_any = tl.zeros([BLOCK], dtype=tl.int32)
