@@ -8,45 +8,27 @@ Sessions 45-46 of benchmarks/NOTES.md (the status guard, the check's feature cou
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
 import embfuse
-from embfuse.bench.collection import make_batch, make_collection
-from embfuse.bench.workloads import Workload
 from embfuse.ops import collection, deferred
 
-
-def per_kernel(call, flush, calls=20):
-    """{kernel name: GPU time a call, us}, L2 cleared before each call."""
-    call()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.bitwise_not_()
-            call()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "bitwise_not" not in e.name:
-            times[e.name[:30]] = times.get(e.name[:30], 0.0) + e.device_time_total / calls
-    return times
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from narrow_ids import criteo, kernel_times  # noqa: E402
 
 
 def main(batches):
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU time a call, us")
-    flush = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     for B in batches:
-        w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
-        kjt = make_batch(w, "cuda")
-        kjt32 = embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths(), stride=B,
-                                          length_per_key=kjt.length_per_key())
-        off, ebc = make_collection(w, "cuda", bounds_check="off"), make_collection(w, "cuda")
+        kjt, kjt32, off, ebc = criteo(B)
         calls = {"default": lambda: ebc(kjt).values(), "off": lambda: off(kjt).values(),
                  "off, int32 ids": lambda: off(kjt32).values()}
         with torch.no_grad():
             for rnd in range(3):
                 for name, call in calls.items():
-                    t = per_kernel(call, flush)
+                    t = kernel_times(call)
                     print(f"B{B} round {rnd} {name}: total {sum(t.values()):.1f} | "
                           + " | ".join(f"{k}: {v:.1f}" for k, v in sorted(t.items(), key=lambda x: -x[1])), flush=True)
         del off, ebc

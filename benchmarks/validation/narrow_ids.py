@@ -23,8 +23,8 @@ AT = tuning.NARROW_IDS
 BATCHES = (2048, 4096, 8192, 16384)  # the collection rows
 
 
-def gpu_time(f, calls=20):
-    """GPU time of a call, us: the sum of its kernels' times (profiler), L2 cleared before each."""
+def kernel_times(f, calls=20):
+    """{kernel name: its GPU time a call, us} (profiler), L2 cleared by other traffic before each call."""
     flush = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     f()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -32,8 +32,16 @@ def gpu_time(f, calls=20):
             flush.bitwise_not_()
             f()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time_total for e in kernels if "bitwise_not" not in e.name) / calls
+    times = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "bitwise_not" not in e.name:
+            times[e.name[:30]] = times.get(e.name[:30], 0.0) + e.device_time_total / calls
+    return times
+
+
+def gpu_time(f, calls=20):
+    """GPU time of a call, us: the sum of its kernels' times."""
+    return sum(kernel_times(f, calls).values())
 
 
 def timed(calls, rounds=3):
@@ -77,13 +85,19 @@ def forward_rows():
         del table
 
 
+def criteo(B):
+    """The Criteo-like collection at batch B: (its batch, the batch with int32 ids, the collection
+    with bounds_check="off", the default one)."""
+    w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
+    kjt = make_batch(w, "cuda")
+    k32 = embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths(), stride=B,
+                                    length_per_key=kjt.length_per_key())
+    return kjt, k32, make_collection(w, "cuda", bounds_check="off"), make_collection(w, "cuda")
+
+
 def collection_rows():
     for B in BATCHES:
-        w = Workload("c", "collection", 10_000_000, 128, B, 50, "powerlaw", 1.05, tables=26, group="collection")
-        kjt = make_batch(w, "cuda")
-        k32 = embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values().int(), lengths=kjt.lengths(), stride=B,
-                                        length_per_key=kjt.length_per_key())
-        off, ebc = make_collection(w, "cuda", bounds_check="off"), make_collection(w, "cuda")
+        kjt, k32, off, ebc = criteo(B)
         f = lambda: ebc(kjt).values()
         calls = {"off": lambda: off(kjt).values(), "off32": lambda: off(k32).values(),
                  "narrowed": with_narrow(-1, f), "as given": with_narrow(NEVER, f)}
