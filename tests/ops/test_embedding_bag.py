@@ -151,6 +151,21 @@ def test_a_lookup_without_gradients_hands_torchs_offsets_to_the_kernel(mode, mon
 
 
 @requires_kernels
+def test_one_offset_under_include_last_offset_on_the_kernel_path(monkeypatch):
+    """As test_include_last_offset_with_one_offset_is_no_bag, on the path that hands torch's
+    offsets to the kernel as given (forced onto the interpreter here): no bag, and the check
+    finds nothing wrong, since there is no last offset to read as the id count. Without
+    include_last_offset the one offset is one bag's start, handed over as given."""
+    monkeypatch.setattr(eb, "pools_with_kernels", lambda w: True)
+    w = torch.randn(10, 4, device=KERNEL_DEVICE)
+    ids, one = torch.tensor([1, 2, 3], device=KERNEL_DEVICE), torch.tensor([0], device=KERNEL_DEVICE)
+    with torch.no_grad():
+        assert embfuse.embedding_bag(ids, w, one, include_last_offset=True).shape == (0, 4)
+        torch.testing.assert_close(embfuse.embedding_bag(ids, w, one, mode="sum"), w[1:4].sum(0, keepdim=True))
+    embfuse.check_errors()
+
+
+@requires_kernels
 @pytest.mark.parametrize("mode,weighted", [(SUM, True), (MEAN, False), (MAX, False)])
 @pytest.mark.parametrize("form", ["starts", "last"])
 @pytest.mark.parametrize("folded", [False, True])
@@ -688,6 +703,27 @@ def test_padding_contributes_nothing_even_nan(device, sparse, mode):
         if sp:
             assert e_w.grad._nnz() == t_w.grad._nnz() == 2
         assert torch.equal(e_w.grad.to_dense().cpu(), t_w.grad.to_dense())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("bounds_check", ["deferred", "sync", "off"])
+def test_include_last_offset_with_one_offset_is_no_bag(device, mode, bounds_check):
+    """One offset under include_last_offset holds no bag, whatever the ids: torch 2.13's CPU gives
+    a (0, D) output for sum and mean (and its max crashes the process). There is no last bag to
+    run to the end (an error used to say offsets[0] was the id count), and no id is read: torch's
+    CPU backward, which embfuse's CPU path calls, gave those ids' rows garbage gradients."""
+    w = torch.randn(10, 4, device=device, requires_grad=True)
+    ids, one = torch.tensor([1, 2, 3], device=device), torch.tensor([0], device=device)
+    for offsets, last in ((one, True), (one[:0], False)):  # (no offsets at all: no bag either)
+        w.grad = None
+        out = embfuse.embedding_bag(ids, w, offsets, mode=mode, include_last_offset=last, bounds_check=bounds_check)
+        assert out.shape == (0, 4)
+        out.sum().backward()
+        assert torch.equal(w.grad, torch.zeros_like(w))
+    bag = embfuse.nn.EmbeddingBag(10, 4, mode=mode, include_last_offset=True, device=device)
+    assert bag(ids, one).shape == (0, 4)
+    embfuse.check_errors()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -435,10 +435,12 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset, open_end
             offsets = torch.cat([offsets, offsets.new_full((1,), input.numel())])
         else:
             offsets = clamp_last_offset(offsets, input.numel())
+        if offsets.numel() == 1 and open_end != "starts":  # B + 1 offsets of no bag: no id is read (torch's
+            indices = input[:0]  # CPU backward gave such ids garbage rows); "starts": one bag's start
     else:
         raise BadArgumentError(f"input has to be 1D or 2D Tensor, got shape {tuple(input.shape)}")
     if per_sample_weights is not None:
-        per_sample_weights = per_sample_weights.reshape(-1).contiguous()
+        per_sample_weights = per_sample_weights.reshape(-1)[:indices.numel()].contiguous()
     return indices.contiguous(), offsets.contiguous(), per_sample_weights
 
 

@@ -193,7 +193,10 @@ def _bad_value_message(values, offsets, limits, B, keys, tables, positions=None)
 
 def clamp_last_offset(offsets, n):
     """torch's include_last_offset rule: the last bag runs to the end of the input whatever the
-    last offset says (its test from pytorch issue 89677); one past the end is still an error."""
+    last offset says (its test from pytorch issue 89677); one past the end is still an error. A
+    lone offset holds no bag, so it stays as given."""
+    if offsets.numel() < 2:
+        return offsets
     return torch.cat([offsets[:-1], offsets[-1:].clamp(min=n)])
 
 
