@@ -437,10 +437,11 @@ def _canonical(input, offsets, per_sample_weights, include_last_offset, open_end
             offsets = clamp_last_offset(offsets, input.numel())
         if offsets.numel() == 1 and open_end != "starts":  # B + 1 offsets of no bag: no id is read (torch's
             indices = input[:0]  # CPU backward gave such ids garbage rows); "starts": one bag's start
+            per_sample_weights = None if per_sample_weights is None else per_sample_weights[:0]
     else:
         raise BadArgumentError(f"input has to be 1D or 2D Tensor, got shape {tuple(input.shape)}")
     if per_sample_weights is not None:
-        per_sample_weights = per_sample_weights.reshape(-1)[:indices.numel()].contiguous()
+        per_sample_weights = per_sample_weights.reshape(-1).contiguous()
     return indices.contiguous(), offsets.contiguous(), per_sample_weights
 
 
