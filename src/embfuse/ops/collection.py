@@ -199,7 +199,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
         return out
     cfg = tuning.pooling_shape(max_dim, values.numel(), F * B, config, tracing(), weights.element_size())
     ln_w, ln_b, eps, act = epilogue if epilogue is not None else (None, None, 0.0, "none")
-    if epilogue is not None and (cfg["BLOCK_D"] < max_dim or total_dim != F * max_dim):
+    if epilogue is not None and (cfg["BLOCK_D"] < max_dim or not one_width(meta, total_dim, max_dim)):
         raise ValueError(f"a LayerNorm epilogue needs every feature {max_dim} wide and at most 256 wide")
     launch(_collection_fwd_kernel)[(F * B, cdiv(max_dim, cfg["BLOCK_D"]))](
         weights, values, offsets, psw, status, meta, out, B, out.stride(0), meta.stride(0), ln_w, ln_b, float(eps),
