@@ -142,13 +142,11 @@ PAD_BLOCK = 1024
 
 
 def check_chunks(n: int) -> int:
-    """Blocks of CHECK_BLOCK values a keyed batch's check program takes (a power of two, 1-8):
-    enough programs for about four an SM of an H100 (528), and no more, since each program waits
-    once on a binary search of the feature starts (benchmarks/NOTES.md, session 14)."""
-    chunks = 1
-    while chunks < 8 and n >= 2 * chunks * CHECK_BLOCK * 528:
-        chunks *= 2
-    return chunks
+    """Blocks of CHECK_BLOCK values a keyed batch's check program takes: 4 where that still makes
+    two waves of programs on an H100 (528 at a time), else 1. The Criteo collection's check, H100:
+    4 took 30.8 us against 33.4 with 8 at 5.3M ids and 96.2 against 98.2 at 21M; 1 took 9.9
+    against 10.4 with 2 at 1.3M, and 1, 2 and 4 tied at 2.7M (benchmarks/NOTES.md, session 47)."""
+    return 4 if n >= 2 * 4 * CHECK_BLOCK * 528 else 1
 
 # ---- the segment reduction (ops/segments.py) and the fused optimizers (optim/) ----
 
