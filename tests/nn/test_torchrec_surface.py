@@ -92,6 +92,20 @@ def test_embedding_collection_shares_features_and_returns_indices(device):
     assert out["f1"].lengths().tolist() == [2, 1] and out["f2@t2"].lengths().tolist() == [0, 1]
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("keys", [["f2", "f1"], ["f3", "f2", "f1"]])
+def test_embedding_collection_returns_features_in_table_order_whatever_the_batch_order(device, keys):
+    """TorchRec's outputs follow the tables (then their features), not the batch's keys."""
+    ec = EmbeddingCollection([EmbeddingConfig(10, 5, "t1", torch.float64, ["f1"]),
+                              EmbeddingConfig(10, 5, "t2", torch.float64, ["f2"])], device=device)
+    n = len(keys)
+    kjt = KeyedJaggedTensor(keys, torch.arange(2 * n), lengths=torch.full((2 * n,), 1)).to(device)
+    out = ec(kjt)
+    assert list(out) == ["f1", "f2"]
+    for f, t in (("f1", "t1"), ("f2", "t2")):
+        torch.testing.assert_close(out[f].values(), ec.embedding_weight(t)[kjt[f].values()])
+
 def test_collections_run_on_the_meta_device():
     """TorchRec builds models on the meta device: shapes without data, nothing to check."""
     with torch.device("meta"):

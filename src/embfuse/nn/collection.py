@@ -564,5 +564,7 @@ class EmbeddingCollection(_Collection):
             out = lookup_rows(table, rows, status)
         counts = kjt.length_per_key() if values is kjt.values() else lengths.reshape(len(keys), B).sum(1).tolist()
         ids = torch.split(values, counts) if self._need_indices else [None] * len(keys)
-        return {k: JaggedTensor(v, ids[i], lengths=lengths[i * B:i * B + (B if strides is None else strides[i])])
-                for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}
+        jts = {k: JaggedTensor(v, ids[i], lengths=lengths[i * B:i * B + (B if strides is None else strides[i])])
+               for i, (k, v) in enumerate(zip(keys, torch.split(out, counts)))}
+        # in table order, then feature order, as TorchRec's (the batch's keys may come in any order)
+        return jts if keys == self.embedding_names else {k: jts[k] for k in self.embedding_names}
