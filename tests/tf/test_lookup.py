@@ -261,6 +261,19 @@ def test_edge_batches(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_partitioned_lookup_that_reads_no_row_stays_differentiable(device):
+    """Every id or weight pruned, or no ids: zeros that still backpropagate (zero gradients), as
+    TensorFlow's and torch's lookups do, so a training step on such a batch does not fail."""
+    shards = [torch.randn(3, 2, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2)]
+    ids = sparse([((0, 0), 1), ((1, 0), 2)], (2, 2), device)
+    w = sparse([((0, 0), -1.0), ((1, 0), 0.0)], (2, 2), device, torch.float64)
+    outs = [safe_embedding_lookup_sparse(shards, ids, w, combiner=c) for c in ("mean", "sqrtn")]
+    outs.append(embedding_lookup(shards, torch.zeros(0, dtype=torch.long, device=device)))
+    for out in outs:
+        grads = torch.autograd.grad(out.sum(), shards, allow_unused=True)
+        assert all(g is not None and torch.equal(g, torch.zeros_like(s)) for g, s in zip(grads, shards))
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sum_keeps_zero_weights_so_their_row_is_not_empty(device):
     """TensorFlow prunes weights <= 0 only for mean and sqrtn: with sum a weight of 0 is an entry,
     so its row is not empty and gets no default id (it pools to 0)."""

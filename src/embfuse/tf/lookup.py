@@ -94,10 +94,9 @@ def _gather(shards: list[Tensor], ids: Tensor, partition_strategy: str) -> Tenso
     else:
         raise ValueError(f"partition_strategy must be 'mod' or 'div', got {partition_strategy!r}")
     out = shards[0].new_zeros(ids.numel(), shards[0].shape[1])
-    for p, s in enumerate(shards):
+    for p, s in enumerate(shards):  # (every shard, even one no id reads: the output stays in the graph)
         take = (shard == p).nonzero()[:, 0]
-        if take.numel():
-            out = out.index_put((take,), s[row[take]])
+        out = out.index_put((take,), s[row[take]])
     return out
 
 
