@@ -284,6 +284,41 @@ def test_horizontal_fusion_alone(same):
             raise ValueError("fused chains expect (nothing was fused)")
 
 
+
+class ChainsBeside(nn.Module):
+    """Two tensors' chains in one cat with a dense part between and around them (DLRM's cat of
+    the dense output and the pooled features): each run fused, the rest left in the cat."""
+
+    def __init__(self, D):
+        super().__init__()
+        self.D = D
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(3))
+        with torch.no_grad():
+            for norm in self.norms:
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x, y, dense):
+        first = [torch.tanh(n(p)) for n, p in zip(self.norms, x.split(self.D, dim=1))]
+        second = [torch.relu(p) for p in y.split(self.D, dim=1)]
+        return torch.cat([dense] + first + [dense.sigmoid()] + second, dim=1)
+
+
+def test_horizontal_fusion_of_runs_inside_a_larger_cat():
+    model = ChainsBeside(4)
+    args = [torch.randn(5, 12, requires_grad=True), torch.randn(5, 8, requires_grad=True), torch.randn(5, 3)]
+    report = []
+    gm = embfuse.fx.passes.fuse_horizontal(embfuse.fx.trace_model(model, args), report)
+    assert report == ["fused 3 chains of layer_norm -> tanh over 3 x 4 into one",
+                      "fused 2 chains of relu over 2 x 4 into one"]
+    (cat,) = [n for n in gm.graph.nodes if n.target is torch.cat]
+    assert len(cat.args[0]) == 4  # dense, the first run, the sigmoid, the second run
+    expected, actual = model(*args), gm(*args)
+    torch.testing.assert_close(actual, expected, **TOL)
+    g = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(actual, args[:2], g), torch.autograd.grad(expected, args[:2], g),
+                               **TOL)
+
 def test_copy_to_device_keeps_every_tensor():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     parts = [torch.arange(5), torch.rand(2, 3), torch.tensor([True, False]), torch.empty(0, dtype=torch.int32),

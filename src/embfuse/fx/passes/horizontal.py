@@ -2,7 +2,9 @@
 consecutive D-wide column blocks of one (B, N * D) tensor x (the pieces of `x.split(D, 1)`, or of
 a batched lookup's output) and every f_i is the same chain of ops, becomes that chain applied
 once to x viewed as (B, N, D), then viewed back as (B, N * D): no copy for the split, no cat,
-one launch per op instead of N.
+one launch per op instead of N. Such a run may also be part of a larger cat (a dense part beside
+it, or runs over several lookups' outputs, each fused on its own): the cat then takes the fused
+output in the run's place.
 
 Chain ops (modules, functions or methods): LayerNorm over the last D (with or without a
 per-feature affine: each feature's weight and bias are stacked to (N, D), so the original
@@ -221,7 +223,9 @@ def _into_the_lookup(gm: torch.fx.GraphModule, out: torch.fx.Node, x: torch.fx.N
 
 
 def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -> torch.fx.GraphModule:
-    """Rewrite every matching cat-of-chains in `gm` (module docstring). Returns `gm`, recompiled."""
+    """Rewrite every matching run of chains in a cat of `gm` (module docstring): a cat of the
+    fused chains alone becomes the fused output; other arguments (a dense part, chains over
+    another lookup's blocks) stay in the cat beside it. Returns `gm`, recompiled."""
     report = [] if report is None else report
     graph = gm.graph
     for cat in [n for n in graph.nodes if n.op == "call_function" and n.target in CATS]:
@@ -229,54 +233,91 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
         dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
         if dim not in (1, -1) or not isinstance(tensors, (list, tuple)) or len(tensors) < 2:
             continue
-        if not all(isinstance(t, torch.fx.Node) and len(t.users) == 1 for t in tensors):
+        runs = _runs(gm, tensors)
+        if not runs:
             continue
-        D = _width(tensors[0])
-        chains = [_chain(gm, t, D) for t in tensors] if D else [None]
-        if any(c is None for c in chains):
-            continue
-        roots = [c[0] for c in chains]
-        kinds = {tuple((k, s) for k, s, _ in c[1]) for c in chains}
-        blocks = _blocks(roots)
-        if len(kinds) != 1 or not chains[0][1] or blocks is None or blocks[1] != D:
-            continue
-        x, N = blocks[0], len(tensors)
-        ops = [(kind, settings) for kind, settings, _ in chains[0][1]]
-        sources = [[c[1][k][2] for c in chains] for k in range(len(ops))]
-        with graph.inserting_before(cat):
-            if all(isinstance(p[0], str) for (kind, _), p in zip(ops, sources) if kind == "layer_norm"):
-                # LayerNorm modules only: one module owns the stacked affines (fewer launches and
-                # gradient accumulations than a stack of the originals at every call)
-                name = f"embfuse_chain_{sum(isinstance(m, FusedChain) for m in gm.modules())}"
-                gm.add_submodule(name, FusedChain(N, D, ops, {k: p for k, ((kind, _), p) in enumerate(zip(ops, sources))
-                                                              if kind == "layer_norm"}, gm))
-                out = graph.call_module(name, (x,))
-            else:
-                y = graph.call_function(as_blocks, (x, N, D))
-                affines = [_stacks(graph, settings, params) if kind == "layer_norm" else (None, None)
-                           for (kind, settings), params in zip(ops, sources)]
-                y = graph.call_function(run_ops, (y, tuple(ops), [w for w, _ in affines], [b for _, b in affines]))
-                out = graph.call_function(torch.flatten, (y, 1))
-        cat.replace_all_uses_with(out)
-        dead = [cat] + [n for c, t in zip(chains, tensors) for n in _nodes_between(t, c[0])]
-        for node in dead:
-            graph.erase_node(node)
-        splits = {r.args[0] for r in roots if r.target is operator.getitem}
-        for root in roots:
-            if not root.users:
-                graph.erase_node(root)
-        for split in splits:
-            if not split.users:
-                graph.erase_node(split)
-        report.append(f"fused {N} chains of {' -> '.join(k for k, _, _ in chains[0][1])} over {N} x {D} "
-                      f"into one")
-        _into_the_lookup(gm, out, x, report)
+        parts, fused = list(tensors), []
+        for first, last, chains in reversed(runs):  # (from the back: earlier indices hold)
+            out, x, D = _fuse(gm, cat, chains)
+            parts[first:last] = [out]
+            fused.append((out, x, D, tensors[first:last], chains))
+        if len(parts) == 1:
+            cat.replace_all_uses_with(parts[0])
+            graph.erase_node(cat)
+        elif cat.args:
+            cat.update_arg(0, parts)
+        else:
+            cat.update_kwarg("tensors", parts)
+        for out, x, D, ends, chains in reversed(fused):
+            for node in [n for c, t in zip(chains, ends) for n in _nodes_between(t, c[0])]:
+                graph.erase_node(node)
+            roots = [c[0] for c in chains]
+            splits = {r.args[0] for r in roots if r.target is operator.getitem}
+            for node in roots + list(splits):
+                if not node.users:
+                    graph.erase_node(node)
+            N = len(chains)
+            report.append(f"fused {N} chains of {' -> '.join(k for k, _, _ in chains[0][1])} over {N} x {D} "
+                          f"into one")
+            _into_the_lookup(gm, out, x, report)
     split_nodes = [n for n in graph.nodes if _is_split(n) and not n.users]
     for n in split_nodes:
         graph.erase_node(n)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _runs(gm, tensors) -> list:
+    """(first, last, chains) of each run tensors[first:last] (two or more) that is one chain of
+    ops over the consecutive blocks of one tensor, covering it whole."""
+    found, k = [], 0
+    while k < len(tensors):
+        D = _width(tensors[k]) if _single(tensors[k]) else None
+        chain = _chain(gm, tensors[k], D) if D else None
+        if chain is None or not chain[1]:
+            k += 1
+            continue
+        source = chain[0].args[:1]  # (the split, or the narrowed tensor)
+        run = [chain]
+        while k + len(run) < len(tensors):
+            c = _chain(gm, tensors[k + len(run)], D) if _single(tensors[k + len(run)]) else None
+            if c is None or not c[1] or c[0].args[:1] != source:
+                break
+            run.append(c)
+        kinds = {tuple((kind, settings) for kind, settings, _ in c[1]) for c in run}
+        blocks = _blocks([c[0] for c in run]) if len(run) > 1 else None
+        if len(kinds) == 1 and blocks is not None and blocks[1] == D:
+            found.append((k, k + len(run), run))
+        k += len(run)
+    return found
+
+
+def _single(t) -> bool:
+    return isinstance(t, torch.fx.Node) and len(t.users) == 1
+
+
+def _fuse(gm: torch.fx.GraphModule, cat: torch.fx.Node, chains) -> tuple:
+    """One run's chains as one op on its blocks' tensor x (B, N * D), inserted before `cat`:
+    (its output, x, D)."""
+    graph = gm.graph
+    x, D = _blocks([c[0] for c in chains])
+    N = len(chains)
+    ops = [(kind, settings) for kind, settings, _ in chains[0][1]]
+    sources = [[c[1][k][2] for c in chains] for k in range(len(ops))]
+    with graph.inserting_before(cat):
+        if all(isinstance(p[0], str) for (kind, _), p in zip(ops, sources) if kind == "layer_norm"):
+            # LayerNorm modules only: one module owns the stacked affines (fewer launches and
+            # gradient accumulations than a stack of the originals at every call)
+            name = f"embfuse_chain_{sum(isinstance(m, FusedChain) for m in gm.modules())}"
+            gm.add_submodule(name, FusedChain(N, D, ops, {k: p for k, ((kind, _), p) in enumerate(zip(ops, sources))
+                                                          if kind == "layer_norm"}, gm))
+            return graph.call_module(name, (x,)), x, D
+        y = graph.call_function(as_blocks, (x, N, D))
+        affines = [_stacks(graph, settings, params) if kind == "layer_norm" else (None, None)
+                   for (kind, settings), params in zip(ops, sources)]
+        y = graph.call_function(run_ops, (y, tuple(ops), [w for w, _ in affines], [b for _, b in affines]))
+        return graph.call_function(torch.flatten, (y, 1)), x, D
 
 
 def _width(node: torch.fx.Node) -> int | None:
