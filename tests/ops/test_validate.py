@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import embfuse
 from embfuse.ops import tuning
@@ -137,6 +137,7 @@ def test_check_reads_ids_and_offsets_in_every_block(fault, message):
     block=st.sampled_from([4, tuning.IDS_CHECK_BLOCK]),
     narrow=st.booleans(),
 )
+@example(ids=[0], cuts=[0], index_dtype=torch.int32, clamp_last=True, block=4, narrow=False)  # a lone offset
 def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last, block, narrow):
     """The check kernel's deferred flags and the torch-op check agree on any input, and the
     deferred error is the one the torch-op check raises at once; with `clamp_last` the last
@@ -147,7 +148,8 @@ def test_kernel_flags_agree_with_torch_check(ids, cuts, index_dtype, clamp_last,
     off_t = torch.tensor(cuts, dtype=index_dtype, device=KERNEL_DEVICE)
     expected = _ids_flags_reference(ids_t, off_t, N, clamp_last)
     bad_ids = any(not 0 <= i < N for i in ids)
-    ends = cuts[:-1] + [max(cuts[-1], len(ids))] if clamp_last else cuts
+    # (a lone offset holds no bag, so clamp_last leaves it as given: clamp_last_offset)
+    ends = cuts[:-1] + [max(cuts[-1], len(ids))] if clamp_last and len(cuts) > 1 else cuts
     bad_off = ends[0] != 0 or ends[-1] > len(ids) or any(b < a for a, b in zip(ends, ends[1:]))
     assert expected == BAD_ID * bad_ids + BAD_OFFSETS * bad_off
     with unittest.mock.patch.object(tuning, "IDS_CHECK_BLOCK", block):

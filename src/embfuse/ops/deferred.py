@@ -499,15 +499,15 @@ def launch_ids_check(log, check, indices, offsets, num_embeddings, resident=None
     """The check of one table's ids (and offsets); with an `out` it also writes the ids to read
     into it: hot rows from their copy with a `resident` (ops/residency.py), else the ids narrowed
     to out's dtype; with `check` None it only does that. `clamp_last`: check_ids_program's
-    CLAMP_LAST."""
+    CLAMP_LAST (not on a lone offset: it holds no bag and stays as given, as clamp_last_offset)."""
     n, n_off = indices.numel(), 0 if offsets is None else offsets.numel()
     block = tuning.IDS_CHECK_BLOCK
     # (no offsets: an empty view, never read; never the ids again, see _triton._Distinct)
     launch(_check_ids_kernel)[(max(1, cdiv(max(n, n_off), block)),)](
         indices, n, offsets if offsets is not None else indices[:0], n_off, num_embeddings, *_check_args(log, check),
         out, None if resident is None else resident.info, None if resident is None else resident.words,
-        BLOCK=block, CHECK=check is not None, REMAP=out is not None, CLAMP_LAST=clamp_last, HOT=resident is not None,
-        num_warps=tuning.IDS_CHECK_WARPS)
+        BLOCK=block, CHECK=check is not None, REMAP=out is not None, CLAMP_LAST=clamp_last and n_off > 1,
+        HOT=resident is not None, num_warps=tuning.IDS_CHECK_WARPS)
 
 
 def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out=None, tail=False):
