@@ -34,11 +34,33 @@ def rand_tables(rng):
         tables.append(kw)
     return tables
 
-def rand_kjt(rng, tables, weighted):
+def feature_limits(tables):
+    """feature -> the rows of the smallest table it feeds."""
     lim = {}
     for t in tables:
         for f in t["feature_names"]:
             lim[f] = min(lim.get(f, 10**9), t["num_embeddings"])
+    return lim
+
+def ebc_pair(rng):
+    """Random tables, and TorchRec's and embfuse's EmbeddingBagCollection of them."""
+    tables = rand_tables(rng)
+    weighted = rng.random() < 0.4
+    pools = [PoolingType.SUM if weighted or rng.random() < 0.5 else PoolingType.MEAN for _ in tables]
+    tm = TEBC([TBC(**t, pooling=p) for t, p in zip(tables, pools)], is_weighted=weighted, device=torch.device("cpu"))
+    em = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(**t, pooling=p) for t, p in zip(tables, pools)],
+                                        is_weighted=weighted, device=torch.device("cpu"))
+    return tables, weighted, pools, tm, em
+
+def grads_match(tm, em, what):
+    """embfuse keeps one flat `weights` parameter (tables back to back, row-major): TorchRec's
+    table gradients, concatenated, against it."""
+    tg = torch.cat([p.grad.to_dense().flatten() if p.grad.is_sparse else p.grad.flatten() for p in tm.parameters()])
+    (w,) = list(em.parameters())
+    close(tg, (w.grad.to_dense() if w.grad.is_sparse else w.grad).flatten()[:tg.numel()], what)
+
+def rand_kjt(rng, tables, weighted):
+    lim = feature_limits(tables)
     feats = list(lim.items())
     if rng.random() < 0.3:
         feats.append(("extra", 5))
@@ -57,12 +79,7 @@ def rand_kjt(rng, tables, weighted):
     return TKJT(**kw), embfuse.KeyedJaggedTensor(**kw)
 
 def case_ebc(rng):
-    tables = rand_tables(rng)
-    weighted = rng.random() < 0.4
-    pools = [PoolingType.SUM if weighted or rng.random() < 0.5 else PoolingType.MEAN for _ in tables]
-    tm = TEBC([TBC(**t, pooling=p) for t, p in zip(tables, pools)], is_weighted=weighted, device=torch.device("cpu"))
-    em = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(**t, pooling=p) for t, p in zip(tables, pools)],
-                                        is_weighted=weighted, device=torch.device("cpu"))
+    tables, weighted, pools, tm, em = ebc_pair(rng)
     sd = tm.state_dict()
     assert list(sd) == list(em.state_dict()), f"state_dict keys {list(sd)} vs {list(em.state_dict())}"
     em.load_state_dict(sd)
@@ -73,10 +90,7 @@ def case_ebc(rng):
     close(to.values(), eo.values(), f"ebc values pools={pools} weighted={weighted}")
     r = torch.randn_like(to.values())
     (to.values() * r).sum().backward(); (eo.values() * r).sum().backward()
-    # embfuse keeps one flat `weights` parameter (tables back to back, row-major): its gradient, split
-    tg = torch.cat([p.grad.to_dense().flatten() if p.grad.is_sparse else p.grad.flatten() for p in tm.parameters()])
-    (w,) = list(em.parameters())
-    close(tg, (w.grad.to_dense() if w.grad.is_sparse else w.grad).flatten()[:tg.numel()], "ebc grad")
+    grads_match(tm, em, "ebc grad")
     for name in [t["name"] for t in tables]:
         close(tm.embedding_bags[name].weight.detach(), em.embedding_bags[name].weight.detach(), "embedding_bags view")
 
@@ -104,22 +118,12 @@ def case_ec(rng):
     r = {k: torch.randn_like(v.values()) for k, v in to.items()}
     sum((to[k].values() * r[k]).sum() for k in to).backward()
     sum((eo[k].values() * r[k]).sum() for k in eo).backward()
-    tg = torch.cat([p.grad.to_dense().flatten() if p.grad.is_sparse else p.grad.flatten() for p in tm.parameters()])
-    (w,) = list(em.parameters())
-    close(tg, (w.grad.to_dense() if w.grad.is_sparse else w.grad).flatten()[:tg.numel()], "ec grad")
+    grads_match(tm, em, "ec grad")
 
 def case_vbe(rng):
-    tables = rand_tables(rng)
-    weighted = rng.random() < 0.4
-    pools = [PoolingType.SUM if weighted or rng.random() < 0.5 else PoolingType.MEAN for _ in tables]
-    tm = TEBC([TBC(**t, pooling=p) for t, p in zip(tables, pools)], is_weighted=weighted, device=torch.device("cpu"))
-    em = embfuse.EmbeddingBagCollection([embfuse.EmbeddingBagConfig(**t, pooling=p) for t, p in zip(tables, pools)],
-                                        is_weighted=weighted, device=torch.device("cpu"))
+    tables, weighted, pools, tm, em = ebc_pair(rng)
     em.load_state_dict(tm.state_dict())
-    lim = {}
-    for t in tables:
-        for f in t["feature_names"]:
-            lim[f] = min(lim.get(f, 10**9), t["num_embeddings"])
+    lim = feature_limits(tables)
     feats = list(lim.items()); rng.shuffle(feats)
     Bout = rng.randint(1, 5)
     strides = [rng.randint(1, Bout) for _ in feats]
@@ -136,9 +140,7 @@ def case_vbe(rng):
     close(to.values(), eo.values(), f"vbe values pools={pools} weighted={weighted}")
     r = torch.randn_like(to.values())
     (to.values() * r).sum().backward(); (eo.values() * r).sum().backward()
-    tg = torch.cat([p.grad.to_dense().flatten() if p.grad.is_sparse else p.grad.flatten() for p in tm.parameters()])
-    (w,) = list(em.parameters())
-    close(tg, (w.grad.to_dense() if w.grad.is_sparse else w.grad).flatten()[:tg.numel()], "vbe grad")
+    grads_match(tm, em, "vbe grad")
 
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 200
