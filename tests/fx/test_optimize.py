@@ -319,6 +319,40 @@ def test_horizontal_fusion_of_runs_inside_a_larger_cat():
     torch.testing.assert_close(torch.autograd.grad(actual, args[:2], g), torch.autograd.grad(expected, args[:2], g),
                                **TOL)
 
+
+class TwoWidths(nn.Module):
+    """Features of widths 4 and 8 (one batched lookup), LayerNorm -> tanh each, one cat."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.embs = nn.ModuleList(nn.EmbeddingBag(30, d, mode="mean", device=device) for d in (4, 4, 8, 8))
+        self.norms = nn.ModuleList(nn.LayerNorm(d, device=device) for d in (4, 4, 8, 8))
+        self.top = nn.Linear(24, 1, device=device)
+
+    def forward(self, ids, offsets):
+        pooled = [torch.tanh(n(e(i, o))) for e, n, i, o in zip(self.embs, self.norms, ids, offsets)]
+        return self.top(torch.cat(pooled, dim=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_over_part_of_a_lookups_output_are_fused(device):
+    """A batched lookup of two widths: each width's run of chains fused on its columns."""
+    model = TwoWidths(device)
+    g = torch.Generator().manual_seed(3)
+    ids, offsets = eager_batch([30] * 4, 5, 3, g)
+    ids, offsets = [i.to(device) for i in ids], [o.to(device) for o in offsets]
+    fast = embfuse.fx.optimize(model, (ids, offsets))
+    assert [r for r in fast.embfuse_report if r.startswith("fused")] == [
+        "fused 2 chains of layer_norm -> tanh over 2 x 4 into one",
+        "fused 2 chains of layer_norm -> tanh over 2 x 8 into one"]
+    expected, actual = model(ids, offsets), fast(ids, offsets)
+    torch.testing.assert_close(actual, expected, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids, offsets), expected, **TOL)
+    expected.square().sum().backward()
+    actual.square().sum().backward()
+    _check_grads(model, fast)
+
 def test_copy_to_device_keeps_every_tensor():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     parts = [torch.arange(5), torch.rand(2, 3), torch.tensor([True, False]), torch.empty(0, dtype=torch.int32),

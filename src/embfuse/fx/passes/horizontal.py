@@ -4,7 +4,8 @@ a batched lookup's output) and every f_i is the same chain of ops, becomes that 
 once to x viewed as (B, N, D), then viewed back as (B, N * D): no copy for the split, no cat,
 one launch per op instead of N. Such a run may also be part of a larger cat (a dense part beside
 it, or runs over several lookups' outputs, each fused on its own): the cat then takes the fused
-output in the run's place.
+output in the run's place. A run may cover part of a batched lookup's output too (features of
+two widths in one lookup, a run a width): the chain then runs on those columns.
 
 Chain ops (modules, functions or methods): LayerNorm over the last D (with or without a
 per-feature affine: each feature's weight and bias are stacked to (N, D), so the original
@@ -83,7 +84,9 @@ def _chain(gm, end: torch.fx.Node, D: int):
 
 
 def _blocks(roots: list[torch.fx.Node]):
-    """(x, D) when `roots` are x's consecutive D-wide column blocks covering x whole, else None."""
+    """(x, D, start) when `roots` are x's consecutive D-wide column blocks: covering x whole
+    (start None), or, in a batched lookup's output of known width, the columns from `start` on.
+    None otherwise."""
     first = roots[0]
     if first.op == "call_function" and first.target is operator.getitem:
         split = first.args[0]
@@ -98,14 +101,15 @@ def _blocks(roots: list[torch.fx.Node]):
             return None
         if len([u for u in split.users]) != len(roots):
             return None
-        return x, size
+        return x, size, None
     if first.op == "call_function" and first.target is torch.narrow:
-        x, D = first.args[0], first.args[3]
-        if [r.args for r in roots] != [(x, 1, k * D, D) for k in range(len(roots))]:
+        x, start, D = first.args[0], first.args[2], first.args[3]
+        if [r.args for r in roots] != [(x, 1, start + k * D, D) for k in range(len(roots))]:
             return None
-        if x.meta.get("embfuse_width") != D * len(roots):  # (set by the lookup pass on its outputs)
+        width = x.meta.get("embfuse_width")  # (set by the lookup pass on its outputs)
+        if width is None or start + D * len(roots) > width:
             return None
-        return x, D
+        return x, D, None if width == D * len(roots) else start
     return None
 
 
@@ -270,7 +274,7 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
 
 def _runs(gm, tensors) -> list:
     """(first, last, chains) of each run tensors[first:last] (two or more) that is one chain of
-    ops over the consecutive blocks of one tensor, covering it whole."""
+    ops over consecutive blocks of one tensor (_blocks)."""
     found, k = [], 0
     while k < len(tensors):
         D = _width(tensors[k]) if _single(tensors[k]) else None
@@ -298,14 +302,16 @@ def _single(t) -> bool:
 
 
 def _fuse(gm: torch.fx.GraphModule, cat: torch.fx.Node, chains) -> tuple:
-    """One run's chains as one op on its blocks' tensor x (B, N * D), inserted before `cat`:
-    (its output, x, D)."""
+    """One run's chains as one op on its blocks' tensor x (B, N * D; a narrow of the lookup's
+    output when the run covers part of it), inserted before `cat`: (its output, x, D)."""
     graph = gm.graph
-    x, D = _blocks([c[0] for c in chains])
+    x, D, start = _blocks([c[0] for c in chains])
     N = len(chains)
     ops = [(kind, settings) for kind, settings, _ in chains[0][1]]
     sources = [[c[1][k][2] for c in chains] for k in range(len(ops))]
     with graph.inserting_before(cat):
+        if start is not None:  # the run's columns of a wider lookup output (a view)
+            x = graph.call_function(torch.narrow, (x, 1, start, N * D))
         if all(isinstance(p[0], str) for (kind, _), p in zip(ops, sources) if kind == "layer_norm"):
             # LayerNorm modules only: one module owns the stacked affines (fewer launches and
             # gradient accumulations than a stack of the originals at every call)
