@@ -241,8 +241,8 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
         if not runs:
             continue
         parts, fused = list(tensors), []
-        for first, last, chains in reversed(runs):  # (from the back: earlier indices hold)
-            out, x, D = _fuse(gm, cat, chains)
+        for first, last, chains, (x, D, start) in reversed(runs):  # (from the back: earlier indices hold)
+            out, x = _fuse(gm, cat, chains, x, D, start)
             parts[first:last] = [out]
             fused.append((out, x, D, tensors[first:last], chains))
         if len(parts) == 1:
@@ -273,8 +273,8 @@ def fuse_horizontal(gm: torch.fx.GraphModule, report: list[str] | None = None) -
 
 
 def _runs(gm, tensors) -> list:
-    """(first, last, chains) of each run tensors[first:last] (two or more) that is one chain of
-    ops over consecutive blocks of one tensor (_blocks)."""
+    """(first, last, chains, blocks) of each run tensors[first:last] (two or more) that is one
+    chain of ops over consecutive blocks of one tensor (blocks: _blocks' (x, D, start))."""
     found, k = [], 0
     while k < len(tensors):
         D = _width(tensors[k]) if _single(tensors[k]) else None
@@ -292,7 +292,7 @@ def _runs(gm, tensors) -> list:
         kinds = {tuple((kind, settings) for kind, settings, _ in c[1]) for c in run}
         blocks = _blocks([c[0] for c in run]) if len(run) > 1 else None
         if len(kinds) == 1 and blocks is not None and blocks[1] == D:
-            found.append((k, k + len(run), run))
+            found.append((k, k + len(run), run, blocks))
         k += len(run)
     return found
 
@@ -301,11 +301,11 @@ def _single(t) -> bool:
     return isinstance(t, torch.fx.Node) and len(t.users) == 1
 
 
-def _fuse(gm: torch.fx.GraphModule, cat: torch.fx.Node, chains) -> tuple:
-    """One run's chains as one op on its blocks' tensor x (B, N * D; a narrow of the lookup's
-    output when the run covers part of it), inserted before `cat`: (its output, x, D)."""
+def _fuse(gm: torch.fx.GraphModule, cat: torch.fx.Node, chains, x, D: int, start) -> tuple:
+    """One run's chains as one op on their blocks' tensor x (B, N * D; a narrow of the lookup's
+    output from column `start` when the run covers part of it), inserted before `cat`: (its
+    output, the tensor it reads)."""
     graph = gm.graph
-    x, D, start = _blocks([c[0] for c in chains])
     N = len(chains)
     ops = [(kind, settings) for kind, settings, _ in chains[0][1]]
     sources = [[c[1][k][2] for c in chains] for k in range(len(ops))]
@@ -318,12 +318,12 @@ def _fuse(gm: torch.fx.GraphModule, cat: torch.fx.Node, chains) -> tuple:
             name = f"embfuse_chain_{sum(isinstance(m, FusedChain) for m in gm.modules())}"
             gm.add_submodule(name, FusedChain(N, D, ops, {k: p for k, ((kind, _), p) in enumerate(zip(ops, sources))
                                                           if kind == "layer_norm"}, gm))
-            return graph.call_module(name, (x,)), x, D
+            return graph.call_module(name, (x,)), x
         y = graph.call_function(as_blocks, (x, N, D))
         affines = [_stacks(graph, settings, params) if kind == "layer_norm" else (None, None)
                    for (kind, settings), params in zip(ops, sources)]
         y = graph.call_function(run_ops, (y, tuple(ops), [w for w, _ in affines], [b for _, b in affines]))
-        return graph.call_function(torch.flatten, (y, 1)), x, D
+        return graph.call_function(torch.flatten, (y, 1)), x
 
 
 def _width(node: torch.fx.Node) -> int | None:
