@@ -7,7 +7,8 @@ distribution (seed 1), as a module in service counts an earlier batch; `hit` is 
 the measured batch's lookups its rows serve. Times are medians of CUDA-event timings with the L2
 flushed between calls (triton's do_bench): normal traffic, which persisting lines survive, as
 they survive a model's other kernels between two lookups. "resident, reset" also demotes every
-persisting line before each call: the gain within one call alone. "back-to-back": wall time a
+persisting line before each call: the gain within one call alone. Each provider starts with no
+persisting line left by the one before it. "back-to-back": wall time a
 call over 50 calls in a row without flushes (where the host's own time per call shows).
 
 Bounds, in the same run: DRAM (distinct rows + output + ids over the copy bandwidth, as the
@@ -102,6 +103,7 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
                        "persisting": l2.support(device).__dict__}, "rows": []}
     for w in workloads:
         progress(w.name)
+        l2.reset()  # (the last workload's persisting lines would crowd the all-in-L2 bound)
         kjt, earlier = _batch(w, device, 0), _batch(w, device, 1)
         starts = torch.tensor([0] + _rows(w), device=device).cumsum(0)
         lengths = torch.tensor(kjt.length_per_key(), device=device)
@@ -116,6 +118,9 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
         for name in PROVIDERS + DIAGNOSTICS:
             def run(cell, name=name):
                 nonlocal ref
+                # (no provider inherits the persisting lines another left: they would serve its reads
+                # where it reuses the freed addresses, or crowd the L2 where it does not)
+                l2.reset()
                 if name.startswith("fbgemm"):
                     tbe = fbgemm_tbe([(r, w.dim) for r in _rows(w)], checked=name == "fbgemm")
 
