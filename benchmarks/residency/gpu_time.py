@@ -8,7 +8,7 @@ resident without its window (the same copy or run, no window). The hot set is co
 another batch. Medians of CUDA-event timings, the L2 flushed before each call, back to back
 (20 calls between two events, no flush), and the call captured into a CUDA graph and replayed
 (L2 flushed; a lookup with a copy is captured as the plain one, a run read in place keeps its
-window).
+window). Each module is timed from an L2 with no persisting line (l2.reset()).
 Run on a GPU from the repository root: PYTHONPATH=src python benchmarks/residency/gpu_time.py
 """
 
@@ -18,6 +18,7 @@ import torch
 
 import embfuse
 from embfuse.bench.workloads import Workload, generate_ids
+from embfuse.ops import l2
 
 
 def gpu_us(fn, flush, flushed=True, calls=1, reps=30) -> float:
@@ -69,8 +70,11 @@ def measure(D: int, dist: str, flush, dev="cuda") -> str:
             modules[name](earlier)  # counts the hot set
             assert torch.equal(modules[name](ids), plain(ids))
         report = modules["resident"].l2_residency
-        times = {k: (gpu_us(lambda: m(ids), flush), gpu_us(lambda: m(ids), flush, False, 20),
-                     gpu_us(captured(lambda: m(ids)), flush)) for k, m in modules.items()}
+        times = {}
+        for k, m in modules.items():
+            l2.reset()  # (persisting lines outlive the flush: no module inherits another's)
+            times[k] = (gpu_us(lambda: m(ids), flush), gpu_us(lambda: m(ids), flush, False, 20),
+                        gpu_us(captured(lambda: m(ids)), flush))
     mode = ("in place" if report.in_place else "copy") if report.active else report.reason
     return (f"D{D} {dist} ({mode}, hit {report.hit_rate:.2f}, window {report.window_bytes / 2**20:.1f} MB) us, "
             "flushed: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in times.items())
