@@ -37,6 +37,14 @@ def _pool(weight, ids_ptr, offsets, out, n_per, d, stride_w, L: tl.constexpr, BL
     lane = tl.arange(0, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    if V >= 2:  # the bag from the offsets
+        start = tl.load(offsets + b)
+        end = tl.load(offsets + b + 1)
+    cmask = cols < BLOCK_D
+    stride = BLOCK_D
+    if V == 3 or V == 5:  # the runtime width
+        cmask = cols < d
+        stride = stride_w
     if V == 0:  # fixed
         for s in range(0, L, BLOCK_L):
             ids = tl.load(ids_ptr + b * L + s + lane)
@@ -47,13 +55,6 @@ def _pool(weight, ids_ptr, offsets, out, n_per, d, stride_w, L: tl.constexpr, BL
             ids = tl.load(ids_ptr + s + lane)
             acc += tl.load(weight + ids[:, None] * BLOCK_D + cols[None, :])
     elif V == 2 or V == 3:  # offsets (+ width)
-        start = tl.load(offsets + b)
-        end = tl.load(offsets + b + 1)
-        cmask = cols < BLOCK_D
-        stride = BLOCK_D
-        if V == 3:
-            cmask = cols < d
-            stride = stride_w
         for s in range(start, end, BLOCK_L):
             pos = s + lane
             lmask = pos < end
@@ -61,8 +62,6 @@ def _pool(weight, ids_ptr, offsets, out, n_per, d, stride_w, L: tl.constexpr, BL
             acc += tl.load(weight + ids[:, None] * stride + cols[None, :], mask=lmask[:, None] & cmask[None, :],
                            other=0.0)
     elif V >= 6:  # unroll U
-        start = tl.load(offsets + b)
-        end = tl.load(offsets + b + 1)
         for s in range(start, end, BLOCK_L * U):
             for u in tl.static_range(U):
                 pos = s + u * BLOCK_L + lane
@@ -70,13 +69,6 @@ def _pool(weight, ids_ptr, offsets, out, n_per, d, stride_w, L: tl.constexpr, BL
                 ids = tl.load(ids_ptr + pos, mask=lmask, other=0)
                 acc += tl.load(weight + ids[:, None] * BLOCK_D + cols[None, :], mask=lmask[:, None], other=0.0)
     else:  # tail (+ width)
-        start = tl.load(offsets + b)
-        end = tl.load(offsets + b + 1)
-        cmask = cols < BLOCK_D
-        stride = BLOCK_D
-        if V == 5:
-            cmask = cols < d
-            stride = stride_w
         full = start + (end - start) // BLOCK_L * BLOCK_L
         for s in range(start, full, BLOCK_L):
             ids = tl.load(ids_ptr + s + lane)
