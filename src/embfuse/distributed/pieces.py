@@ -13,7 +13,9 @@ from embfuse.sparse.jagged import KeyedJaggedTensor
 
 class PieceUpdate:
     """The update of column pieces whose optimizer keeps one state a row (row-wise Adagrad):
-    exact, as the unsharded table's. Every piece of a table sees the same ids in the same order,
+    exact, as the unsharded table's, for fp32 and fp64 tables. (A 2-byte table's gradient comes
+    through autograd in the table's dtype, each touched row's sum rounded once, where the
+    unsharded fused update keeps it fp32: its updated weights may differ by an ulp.) Every piece of a table sees the same ids in the same order,
     so its touched rows line up across the pieces; after the backward has accumulated the
     pieces' gradient, each piece sums its part of each touched row's squared gradient, the
     pieces' sums are added by one all_reduce a table (its pieces' group), and each piece applies
