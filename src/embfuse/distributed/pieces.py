@@ -15,12 +15,12 @@ class PieceUpdate:
     """The update of column pieces whose optimizer keeps one state a row (row-wise Adagrad):
     exact, as the unsharded table's, for fp32 and fp64 tables. (A 2-byte table's gradient comes
     through autograd in the table's dtype, each touched row's sum rounded once, where the
-    unsharded fused update keeps it fp32: its updated weights may differ by an ulp.) Every piece of a table sees the same ids in the same order,
-    so its touched rows line up across the pieces; after the backward has accumulated the
-    pieces' gradient, each piece sums its part of each touched row's squared gradient, the
-    pieces' sums are added by one all_reduce a table (its pieces' group), and each piece applies
-    the rule with the whole row's mean. Torch ops and a dense gradient of the pieces: this
-    combination pays a slower update for exactness."""
+    unsharded fused update keeps it fp32: its updated weights may differ by an ulp.) Every piece
+    of a table sees the same ids in the same order, so its touched rows line up across the
+    pieces; after the backward has accumulated the pieces' gradient, each piece sums its part of
+    each touched row's squared gradient, the pieces' sums are added by one all_reduce a table
+    (its pieces' group), and each piece applies the rule with the whole row's mean. Torch ops and
+    a dense gradient of the pieces: this combination pays a slower update for exactness."""
 
     def __init__(self, pieces: EmbeddingBagCollection, optimizer, tables: list[tuple]):
         self.pieces, self.optimizer, self.tables = pieces, optimizer, tables  # tables: (group, full width)
