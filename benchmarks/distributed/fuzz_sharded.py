@@ -94,9 +94,8 @@ def trial(rank, world, seed, device="cpu"):
     ref = copy.deepcopy(ebc)
     model = ed.shard(ebc, None if extra["auto"] else plan)
     # 2-byte tables, looser: row-wise partial sums cross ranks rounded to the table's dtype (where
-    # a bag's partials cancel, the sum keeps their rounding), and column pieces under row-wise
-    # Adagrad are updated from a gradient rounded to it (pieces.PieceUpdate); fp32 tables (half
-    # the draws) are held to the tolerance table
+    # a bag's partials cancel, the sum keeps their rounding); fp32 tables (half the draws) are
+    # held to the tolerance table
     tol = dict(dtype=dtype, reduction=(64 if dtype.itemsize == 2 else 8) * world)
     for step in range(2):
         parts = [batch(features, order, sizes[r], batch_seed + 100 * step + r, weighted, dtype) for r in range(world)]

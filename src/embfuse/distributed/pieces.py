@@ -8,39 +8,52 @@ import torch.distributed as dist
 
 from embfuse.nn.collection import EmbeddingBagCollection
 from embfuse.ops.bags import accumulation
+from embfuse.ops.collection import collection_backward_reference
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
 class PieceUpdate:
     """The update of column pieces whose optimizer keeps one state a row (row-wise Adagrad):
-    exact, as the unsharded table's, for fp32 and fp64 tables. (A 2-byte table's gradient comes
-    through autograd in the table's dtype, each touched row's sum rounded once, where the
-    unsharded fused update keeps it fp32: its updated weights may differ by an ulp.) Every piece
-    of a table sees the same ids in the same order, so its touched rows line up across the
-    pieces; after the backward has accumulated the pieces' gradient, each piece sums its part of
-    each touched row's squared gradient, the pieces' sums are added by one all_reduce a table
-    (its pieces' group), and each piece applies the rule with the whole row's mean. Torch ops and
-    a dense gradient of the pieces: this combination pays a slower update for exactness."""
+    exact, as the unsharded table's. Every piece of a table sees the same ids in the same order,
+    so its touched rows line up across the pieces; once the backward has reached the pieces,
+    each piece sums its part of each touched row's squared gradient, the pieces' sums are added
+    by one all_reduce a table (its pieces' group), and each piece applies the rule with the whole
+    row's mean. The gradient is the pooled output's, reduced into the rows in fp32 here (`keep`),
+    as the unsharded fused update keeps it: autograd's gradient of a bf16 or fp16 table would be
+    rounded to the table's dtype. Torch ops and a dense gradient of the pieces: this combination
+    pays a slower update for exactness."""
 
     def __init__(self, pieces: EmbeddingBagCollection, optimizer, tables: list[tuple]):
         self.pieces, self.optimizer, self.tables = pieces, optimizer, tables  # tables: (group, full width)
         _, value = optimizer.state_spec()["sum"]
         self.state = torch.full((pieces._row_starts[-1],), float(value), dtype=torch.float32,
                                 device=pieces.weights.device)
-        self.steps, self._touched = 0, None
+        self.steps, self._touched, self._batch, self._grad = 0, None, None, None
         pieces.weights.register_post_accumulate_grad_hook(self._update)
 
     def saw(self, kjt: KeyedJaggedTensor) -> None:
-        """The rows each piece table's features look up in this batch (a host read: torch.unique)."""
+        """The rows each piece table's features look up in this batch (a host read: torch.unique),
+        and the batch as the pieces' lookup reads it (for the gradient)."""
         per_key = dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
         self._touched = [torch.unique(torch.cat([per_key[f].long() for f in t.feature_names]))
                          for t in self.pieces.tables]
+        B, plan, values, offsets, psw, _, _ = self.pieces._checked(kjt, True)
+        self._batch = (values, offsets, psw, plan.meta, B, plan.max_dim)
+
+    def keep(self, grad: torch.Tensor) -> None:
+        """The hook on the pieces' pooled output: its gradient, for `_update`."""
+        self._grad = grad
 
     def _update(self, weights) -> None:
         hyper = self.optimizer.hyper(self.steps + 1)
-        grad = weights.grad
-        starts, rows_at = self.pieces._starts, self.pieces._row_starts
         acc = accumulation(weights)
+        grad = weights.grad
+        if self._grad is not None:  # (the reduction in fp32, as the unsharded fused update's)
+            values, offsets, psw, meta, B, max_dim = self._batch
+            grad = collection_backward_reference(self._grad.to(acc), values, offsets, psw, meta, B, weights.numel(),
+                                                 max_dim)
+        self._grad = self._batch = None
+        starts, rows_at = self.pieces._starts, self.pieces._row_starts
         with torch.no_grad():
             for i, ((group, width), rows) in enumerate(zip(self.tables, self._touched)):
                 n, d = self.pieces._shapes[i]

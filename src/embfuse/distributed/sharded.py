@@ -369,6 +369,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if torch.is_grad_enabled():
             self.piece_update.saw(pieces)
         out = self.pieces(pieces).values()
+        if out.requires_grad:
+            out.register_hook(self.piece_update.keep)
         return out if self.local is None else torch.cat([self.local(fused).values(), out], 1)
 
     def _dtype(self):
