@@ -18,10 +18,10 @@ class PieceUpdate:
     so its touched rows line up across the pieces; once the backward has reached the pieces,
     each piece sums its part of each touched row's squared gradient, the pieces' sums are added
     by one all_reduce a table (its pieces' group), and each piece applies the rule with the whole
-    row's mean. The gradient is the pooled output's, reduced into the rows in fp32 here (`keep`),
-    as the unsharded fused update keeps it: autograd's gradient of a bf16 or fp16 table would be
-    rounded to the table's dtype. Torch ops and a dense gradient of the pieces: this combination
-    pays a slower update for exactness."""
+    row's mean. Of a bf16 or fp16 table, the gradient is the pooled output's, reduced into the
+    rows in fp32 here (`watch`), as the unsharded fused update keeps it: autograd's gradient of
+    such a table is rounded to its dtype. Torch ops and a dense gradient of the pieces: this
+    combination pays a slower update for exactness."""
 
     def __init__(self, pieces: EmbeddingBagCollection, optimizer, tables: list[tuple]):
         self.pieces, self.optimizer, self.tables = pieces, optimizer, tables  # tables: (group, full width)
@@ -31,17 +31,27 @@ class PieceUpdate:
         self.steps, self._touched, self._batch, self._grad = 0, None, None, None
         pieces.weights.register_post_accumulate_grad_hook(self._update)
 
+    @property
+    def _rounded(self) -> bool:
+        """Whether autograd's gradient of the pieces is rounded (a 2-byte table)."""
+        return self.pieces.weights.element_size() < 4
+
     def saw(self, kjt: KeyedJaggedTensor) -> None:
         """The rows each piece table's features look up in this batch (a host read: torch.unique),
-        and the batch as the pieces' lookup reads it (for the gradient)."""
+        and of 2-byte tables the batch as the pieces' lookup reads it (for the gradient)."""
         per_key = dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
         self._touched = [torch.unique(torch.cat([per_key[f].long() for f in t.feature_names]))
                          for t in self.pieces.tables]
-        B, plan, values, offsets, psw, _, _ = self.pieces._checked(kjt, True)
-        self._batch = (values, offsets, psw, plan.meta, B, plan.max_dim)
+        if self._rounded:
+            B, plan, values, offsets, psw, _, _ = self.pieces._checked(kjt, True)
+            self._batch = (values, offsets, psw, plan.meta, B, plan.max_dim)
 
-    def keep(self, grad: torch.Tensor) -> None:
-        """The hook on the pieces' pooled output: its gradient, for `_update`."""
+    def watch(self, out: torch.Tensor) -> None:
+        """Keep the gradient of the pieces' pooled output `out` for `_update` (2-byte tables)."""
+        if self._rounded and out.requires_grad:
+            out.register_hook(self._keep)
+
+    def _keep(self, grad: torch.Tensor) -> None:
         self._grad = grad
 
     def _update(self, weights) -> None:

@@ -369,8 +369,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if torch.is_grad_enabled():
             self.piece_update.saw(pieces)
         out = self.pieces(pieces).values()
-        if out.requires_grad:
-            out.register_hook(self.piece_update.keep)
+        self.piece_update.watch(out)
         return out if self.local is None else torch.cat([self.local(fused).values(), out], 1)
 
     def _dtype(self):
