@@ -131,10 +131,12 @@ def test_l2_bench_batches_and_report_on_cpu(tmp_path):
     b12 = residency._batch(small[1], "cpu", 0)
     assert b12.keys() == [f"f{i}" for i in range(12)] and bool((b12.values() < 1000).all())
     row = {"workload": "w", "embfuse": 10.0, "embfuse resident": 8.0, "fbgemm": "skipped", "hit": 0.5,
-           "residency": "in place", "window_MB": 1.0, "dram_bound_us": 5.0, "all_in_l2_us": 4.0}
+           "residency": "in place", "window_MB": 1.0, "dram_bound_us": 5.0, "all_in_l2_us": 4.0,
+           "embfuse GPU": 9.0, "embfuse resident GPU": 6.0}
     meta = {"gpu": "g", "torch": "t", "triton": "3", "fbgemm_gpu": None, "commit": "c", "date": "d",
             "copy_bandwidth_GBps": 1.0, "persisting": {"max_persisting_bytes": 2**20}}
     path = residency.write({"meta": meta, "rows": [row]}, tmp_path)
     text = path.read_text()
     assert "| w | 10.0 | 8.0 |" in text and "1.25x" in text and (tmp_path / "bench-l2.json").exists()
     assert "| 0.50 (in place) |" in text
+    assert text.rstrip().endswith("| 9.0 | 6.0 | - | 1.50x |")  # GPU time: embfuse, resident, FBGEMM

@@ -9,7 +9,9 @@ flushed between calls (triton's do_bench): normal traffic, which persisting line
 they survive a model's other kernels between two lookups. "resident, reset" also demotes every
 persisting line before each call: the gain within one call alone. Each provider starts with no
 persisting line left by the one before it. "back-to-back": wall time a
-call over 50 calls in a row without flushes (where the host's own time per call shows).
+call over 50 calls in a row without flushes (where the host's own time per call shows). "GPU":
+the GPU work's own time a call (the profiler's, each call after a flush), which the host's time
+does not enter: what a host-bound row (B16384) costs the GPU.
 
 Bounds, in the same run: DRAM (distinct rows + output + ids over the copy bandwidth, as the
 grid's roofline) and "all in L2": the same lookup (same bags, same width) with every id folded
@@ -48,6 +50,7 @@ PROVIDERS = ("embfuse", "embfuse resident", "embfuse resident, reset", "embfuse-
 # measured beside them, to split the gain: the same rewritten ids and copy, read without a window
 DIAGNOSTICS = ("resident, no window",)
 BACK_TO_BACK = ("embfuse back-to-back", "embfuse resident back-to-back")
+GPU = ("embfuse", "embfuse resident", "fbgemm")  # providers whose GPU time is reported too
 
 
 def _rows(w: Workload) -> list[int]:
@@ -91,6 +94,28 @@ def all_in_l2_us(w: Workload, kjt, device) -> float:
     offsets = kjt.offsets()
     return do_bench(lambda: embfuse.embedding_bag(ids, table, offsets, mode="sum", include_last_offset=True,
                                                   bounds_check="off"), warmup=5, rep=200, return_mode="median") * 1e3
+
+
+def gpu_us(fn, calls: int = 20) -> float:
+    """GPU time of one call of `fn`: the summed duration of its GPU work (kernels, copies,
+    fills; the profiler's) over `calls` calls, each after an L2 flush as in do_bench. Gaps
+    between kernels (the host's time) are not counted. The flush (a bitwise_not over 256 MB,
+    an op no lookup uses) is told apart by its kernel's name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.bitwise_not(flush, out=flush)
+            fn()
+        torch.cuda.synchronize()
+    work = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    flushes = [e for e in work if "bitwise_not" in e.name]
+    assert len(flushes) == calls, f"{len(flushes)} flush kernels profiled for {calls} calls"
+    return sum(e.time_range.elapsed_us() for e in work if "bitwise_not" not in e.name) / calls
 
 
 def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> dict:
@@ -158,6 +183,8 @@ def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> d
                         l2.reset()
                     fn()
                 cell["us"] = do_bench(timed, warmup=5, rep=200, return_mode="median") * 1e3
+                if name in GPU:
+                    row[f"{name} GPU"] = gpu_us(timed)
                 if name in ("embfuse", "embfuse resident"):
                     row[f"{name} back-to-back"] = host_us(fn, 50)
 
@@ -176,8 +203,9 @@ def markdown(result: dict) -> str:
              f"copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s, max "
              f"persisting L2 {m['persisting']['max_persisting_bytes'] / 2**20:.1f} MB; times in us", "",
              "| workload | " + " | ".join(PROVIDERS) + " | resident vs plain | resident vs FBGEMM | hit | window MB "
-             "| DRAM bound | all in L2 | " + " | ".join(DIAGNOSTICS + BACK_TO_BACK) + " |",
-             "|---" * (len(PROVIDERS) + len(DIAGNOSTICS) + len(BACK_TO_BACK) + 7) + "|"]
+             "| DRAM bound | all in L2 | " + " | ".join(DIAGNOSTICS + BACK_TO_BACK) + " | "
+             + " | ".join(f"{p} GPU" for p in GPU) + " | resident vs plain, GPU |",
+             "|---" * (len(PROVIDERS) + len(DIAGNOSTICS) + len(BACK_TO_BACK) + len(GPU) + 8) + "|"]
     for r in result["rows"]:
         def f(v):
             return f"{v:.1f}" if isinstance(v, float) else str(v)
@@ -189,7 +217,9 @@ def markdown(result: dict) -> str:
                      + f" | {x('embfuse resident', 'embfuse')} | {x('embfuse resident', 'fbgemm')} | "
                      + (f"{r['hit']:.2f} ({r.get('residency', '-')})" if "hit" in r else r.get("residency", "-"))
                      + f" | {r.get('window_MB', 0):.1f} | {r['dram_bound_us']:.1f} | {r['all_in_l2_us']:.1f} | "
-                     + " | ".join(f(r.get(p)) for p in DIAGNOSTICS + BACK_TO_BACK) + " |")
+                     + " | ".join(f(r.get(p)) for p in DIAGNOSTICS + BACK_TO_BACK) + " | "
+                     + " | ".join(f(r.get(f"{p} GPU", "-")) for p in GPU)
+                     + f" | {x('embfuse resident GPU', 'embfuse GPU')} |")
     return "\n".join(lines)
 
 
