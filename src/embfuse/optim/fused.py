@@ -81,8 +81,9 @@ def _update_rows(weight, state1, state2, g, rate, row, D, base, done, hp, seed, 
             w = w - rate[:, None] * g
     else:  # Adam; lr arrives divided by the first bias correction
         mo = tl.load(state1 + at, mask=m, other=0.0)
-        mo = mo + (1.0 - hp.beta1) * (g - mo)
-        v = tl.load(state2 + at, mask=m, other=0.0) * hp.beta2 + (1.0 - hp.beta2) * g * g
+        mo = mo + hp.one_minus_beta1 * (g - mo)
+        v = tl.load(state2 + at, mask=m, other=0.0)
+        v = v + hp.one_minus_beta2 * (g * g - v)
         tl.store(state1 + at, mo, mask=m)
         tl.store(state2 + at, v, mask=m)
         w = w - hp.lr * mo / (tl.sqrt(v) / hp.bc2_sqrt + hp.eps)
@@ -161,12 +162,12 @@ def _update_tile(
 @triton.jit(do_not_specialize=["seed"])
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
-    at, levels, weight, state1, state2, lr, eps, weight_decay, beta1, beta2, bc2_sqrt, seed,
+    at, levels, weight, state1, state2, lr, eps, weight_decay, one_minus_beta1, one_minus_beta2, bc2_sqrt, seed,
     FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
     KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
 ):
-    hp = Hyper(lr, eps, weight_decay, beta1, beta2, bc2_sqrt)
+    hp = Hyper(lr, eps, weight_decay, one_minus_beta1, one_minus_beta2, bc2_sqrt)
     if FIRST:
         _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
                      tl.program_id(0), 0, weight, state1, state2, hp, seed, FIRST, HAS_SRC_ROW,

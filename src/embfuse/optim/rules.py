@@ -35,8 +35,10 @@ class Hyper(NamedTuple):
     lr: float
     eps: float = 0.0
     weight_decay: float = 0.0
-    beta1: float = 0.0
-    beta2: float = 0.0
+    # Adam's 1 - beta1 and 1 - beta2, taken on the host in double: in fp32 on the device, 1 - 0.999
+    # is 1.3e-5 off (relative), which moved every update by about 6e-6 (benchmarks/NOTES.md, session 50)
+    one_minus_beta1: float = 0.0
+    one_minus_beta2: float = 0.0
     bc2_sqrt: float = 1.0  # sqrt of Adam's second bias correction
 # mantissa bits that rounding an fp32 value to the table's dtype drops
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
@@ -182,14 +184,14 @@ class Adam(_Rule):
     def hyper(self, step):
         """lr arrives divided by the first bias correction."""
         b1, b2 = self.betas
-        return Hyper(lr=self.lr / (1 - b1**step), eps=self.eps, weight_decay=self.weight_decay, beta1=b1, beta2=b2,
-                     bc2_sqrt=math.sqrt(1 - b2**step))
+        return Hyper(lr=self.lr / (1 - b1**step), eps=self.eps, weight_decay=self.weight_decay, one_minus_beta1=1 - b1,
+                     one_minus_beta2=1 - b2, bc2_sqrt=math.sqrt(1 - b2**step))
 
     def update(self, w, g, state, step):
-        lr_t, eps, _, b1, b2, bc2_sqrt = self.hyper(step)
+        lr_t, eps, _, c1, c2, bc2_sqrt = self.hyper(step)
         g = self.decayed(g, w)
-        m = state["exp_avg"].lerp(g, 1 - b1)
-        v = state["exp_avg_sq"] * b2 + (1 - b2) * g * g
+        m = state["exp_avg"].lerp(g, c1)
+        v = state["exp_avg_sq"].lerp(g * g, c2)
         return w - lr_t * m / (v.sqrt() / bc2_sqrt + eps), {"exp_avg": m, "exp_avg_sq": v}
 
 
