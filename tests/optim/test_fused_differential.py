@@ -1,0 +1,149 @@
+"""Differential trials of fused training against torch: random tables, bags (empty ones, repeated
+ids, padding_idx, per-sample weights), input forms, pooling modes and optimizers, a few steps of
+embfuse.nn.EmbeddingBag with a fused optimizer against torch.nn.EmbeddingBag in float64 stepped
+by torch.optim on its gradient. Weights and optimizer state are compared after every step.
+
+SGD and Adagrad without weight decay leave a row with no gradient as it is, so torch's dense
+step is their oracle. The other cases (weight decay, row-wise Adagrad, Adam: embfuse applies each
+rule to the touched rows only) take `Lazy`, the rules by hand on torch's sparse gradient. (torch's
+SparseAdam is lazy too but adds eps before the second bias correction, not after it as Adam and
+embfuse do.)"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import embfuse
+from tests.conftest import DEVICES
+from tests.tolerances import assert_close
+
+
+@st.composite
+def trainings(draw, opt):
+    rows, D = draw(st.integers(1, 12)), draw(st.sampled_from([1, 3, 8]))
+    mode = draw(st.sampled_from(["sum", "mean"]))  # (fused optimizers take no max pooling)
+    padding_idx = draw(st.one_of(st.none(), st.integers(-rows, rows - 1)))
+    form = draw(st.sampled_from(["2d", "starts", "last"]))
+    weighted = mode == "sum" and draw(st.booleans())
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        if form == "2d":
+            B, L = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+            lengths = [L] * B
+        else:
+            lengths = draw(st.lists(st.integers(0, 5), min_size=1, max_size=5))
+        ids = draw(st.lists(st.integers(0, rows - 1), min_size=sum(lengths), max_size=sum(lengths)))
+        steps.append((lengths, ids))
+    hyper = dict(lr=draw(st.sampled_from([0.5, 0.05])), weight_decay=draw(st.sampled_from([0.0, 0.1])))
+    if opt == "adagrad":
+        hyper.update(lr_decay=draw(st.sampled_from([0.0, 0.1])))
+    if opt in ("adagrad", "rowwise"):
+        hyper.update(initial_accumulator_value=draw(st.sampled_from([0.0, 0.1])))
+    if opt != "sgd":  # (a large eps shows where the rule adds it)
+        hyper.update(eps=draw(st.sampled_from([1e-10 if opt != "adam" else 1e-8, 0.1])))
+    return rows, D, mode, padding_idx, form, weighted, steps, hyper, draw(st.integers(0, 2**16))
+
+
+class Lazy:
+    """The documented rules (embfuse.optim.rules: torch.optim's and FBGEMM's formulas) applied by
+    hand, in float64, to the rows of torch's sparse gradient but `padding_idx`: weight decay and
+    state change only on the rows a batch touches."""
+
+    def __init__(self, opt, weight, padding_idx, lr, weight_decay=0.0, lr_decay=0.0, initial_accumulator_value=0.0,
+                 eps=0.0):
+        self.opt, self.weight, self.padding_idx, self.steps = opt, weight, padding_idx, 0
+        self.lr, self.wd, self.lr_decay, self.eps = lr, weight_decay, lr_decay, eps
+        rows = weight.shape[0]
+        self.state = {"adam": {"exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)},
+                      "rowwise": {"sum": torch.full((rows,), float(initial_accumulator_value), dtype=weight.dtype)},
+                      "adagrad": {"sum": torch.full_like(weight, initial_accumulator_value)},
+                      "sgd": {}}[opt]
+
+    def zero_grad(self):
+        self.weight.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        self.steps += 1
+        grad = self.weight.grad.coalesce()
+        rows, g = grad.indices()[0], grad.values()
+        if self.padding_idx is not None:
+            keep = rows != self.padding_idx % self.weight.shape[0]
+            rows, g = rows[keep], g[keep]
+        w, st, t = self.weight[rows], self.state, self.steps
+        g = g + self.wd * w
+        if self.opt == "sgd":
+            w = w - self.lr * g
+        elif self.opt == "adagrad":
+            s = st["sum"][rows] + g * g
+            w = w - self.lr / (1 + (t - 1) * self.lr_decay) * g / (s.sqrt() + self.eps)
+            st["sum"][rows] = s
+        elif self.opt == "rowwise":
+            s = st["sum"][rows] + (g * g).mean(dim=1)
+            w = w - self.lr * g / (s.sqrt() + self.eps)[:, None]
+            st["sum"][rows] = s
+        else:  # torch.optim.Adam's rule, default betas
+            m = st["exp_avg"][rows].lerp(g, 0.1)
+            v = st["exp_avg_sq"][rows] * 0.999 + 0.001 * g * g
+            w = w - self.lr / (1 - 0.9 ** t) * m / (v.sqrt() / (1 - 0.999 ** t) ** 0.5 + self.eps)
+            st["exp_avg"][rows], st["exp_avg_sq"][rows] = m, v
+        self.weight[rows] = w
+
+
+def _torch_optimizer(opt, weight, padding_idx, hyper):
+    """torch.optim itself where its dense step is lazy already (no weight decay), else Lazy."""
+    if opt == "sgd" and not hyper.get("weight_decay"):
+        return torch.optim.SGD([weight], **hyper)
+    if opt == "adagrad" and not hyper.get("weight_decay"):
+        return torch.optim.Adagrad([weight], **hyper)
+    return Lazy(opt, weight, padding_idx, **hyper)
+
+
+def _ours_optimizer(opt, hyper):
+    return {"sgd": embfuse.optim.SGD, "adagrad": embfuse.optim.Adagrad, "rowwise": embfuse.optim.RowWiseAdagrad,
+            "adam": embfuse.optim.Adam}[opt](**hyper)
+
+
+def _batch(lengths, ids, form, device):
+    x = torch.tensor(ids, dtype=torch.long, device=device)
+    starts = torch.tensor([0] + lengths, device=device).cumsum(0)
+    if form == "2d":
+        return x.view(len(lengths), lengths[0]), None
+    return x, (starts if form == "last" else starts[:-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_fused_training_agrees_with_torch_optim(device, opt, data):
+    rows, D, mode, padding_idx, form, weighted, steps, hyper, seed = data.draw(trainings(opt))
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(mode=mode, padding_idx=padding_idx, include_last_offset=form == "last")
+    theirs = torch.nn.EmbeddingBag(rows, D, sparse=True, dtype=torch.float64, **kw)
+    ours = embfuse.nn.EmbeddingBag(rows, D, device=device, optimizer=_ours_optimizer(opt, hyper), **kw)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(rows, D, dtype=torch.float64, generator=gen))
+        ours.weight.copy_(theirs.weight)
+    topt = _torch_optimizer(opt, theirs.weight, padding_idx, hyper)
+    if isinstance(topt, torch.optim.Optimizer):  # (its dense step: a dense gradient)
+        theirs.sparse = False
+    most = 1
+    for lengths, ids in steps:
+        x, offsets = _batch(lengths, ids, form, "cpu")
+        psw = torch.randn(x.shape, dtype=torch.float64, generator=gen) if weighted else None
+        g = torch.randn(len(lengths), D, dtype=torch.float64, generator=gen)
+        topt.zero_grad()
+        theirs(x, offsets, per_sample_weights=psw).backward(g)
+        topt.step()
+        ours(x.to(device), None if offsets is None else offsets.to(device),
+             per_sample_weights=None if psw is None else psw.float().to(device)).backward(g.float().to(device))
+        assert ours.weight.grad is None
+        most = max(most, len(ids) + 1)
+        assert_close(ours.weight.detach(), theirs.weight.detach(), torch.float32, reduction=most)
+    state = topt.state if isinstance(topt, Lazy) else topt.state[theirs.weight]
+    if opt in ("adagrad", "rowwise"):
+        assert_close(ours.optimizer_sum, state["sum"], torch.float32, reduction=most)
+    if opt == "adam":
+        assert_close(ours.optimizer_exp_avg, state["exp_avg"], torch.float32, reduction=most)
+        assert_close(ours.optimizer_exp_avg_sq, state["exp_avg_sq"], torch.float32, reduction=most)
