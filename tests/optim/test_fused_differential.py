@@ -147,3 +147,73 @@ def test_fused_training_agrees_with_torch_optim(device, opt, data):
     if opt == "adam":
         assert_close(ours.optimizer_exp_avg, state["exp_avg"], torch.float32, reduction=most)
         assert_close(ours.optimizer_exp_avg_sq, state["exp_avg_sq"], torch.float32, reduction=most)
+
+
+@st.composite
+def collection_trainings(draw, opt):
+    """Tables of mixed sizes and widths, each read by one or two features; a few keyed batches."""
+    tables = [(draw(st.integers(1, 10)), draw(st.sampled_from([1, 4, 8])), draw(st.sampled_from(["sum", "mean"])),
+               draw(st.integers(1, 2))) for _ in range(draw(st.integers(1, 3)))]
+    weighted = all(pooling == "sum" for _, _, pooling, _ in tables) and draw(st.booleans())
+    features = [(t, rows) for t, (rows, _, _, n) in enumerate(tables) for _ in range(n)]
+    B = draw(st.integers(1, 4))
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        lengths = [[draw(st.integers(0, 4)) for _ in range(B)] for _ in features]
+        ids = [draw(st.lists(st.integers(0, rows - 1), min_size=sum(ls), max_size=sum(ls)))
+               for (_, rows), ls in zip(features, lengths)]
+        steps.append((lengths, ids))
+    hyper = dict(lr=draw(st.sampled_from([0.5, 0.05])), weight_decay=draw(st.sampled_from([0.0, 0.1])))
+    if opt == "adagrad":
+        hyper.update(lr_decay=draw(st.sampled_from([0.0, 0.1])))
+    if opt != "sgd":
+        hyper.update(eps=draw(st.sampled_from([1e-10 if opt != "adam" else 1e-8, 0.1])))
+    return tables, weighted, B, steps, hyper, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_fused_collection_training_agrees_with_torch_optim(device, opt, data):
+    """The same for an EmbeddingBagCollection (one flat buffer, tables of mixed widths, features
+    sharing a table) against one float64 table and optimizer a table, pooled by F.embedding_bag."""
+    tables, weighted, B, steps, hyper, seed = data.draw(collection_trainings(opt))
+    gen = torch.Generator().manual_seed(seed)
+    configs = [embfuse.EmbeddingBagConfig(rows, D, f"t{t}", feature_names=[f"t{t}f{k}" for k in range(n)],
+                                          pooling=pooling) for t, (rows, D, pooling, n) in enumerate(tables)]
+    ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, device=device,
+                                          optimizer=_ours_optimizer(opt, hyper))
+    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, D, _, _ in tables]
+    with torch.no_grad():
+        for w, t in zip(ours.table_weights(), theirs):
+            w.copy_(t)
+    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
+    sparse = not isinstance(topts[0], torch.optim.Optimizer)
+    keys = [f for c in configs for f in c.feature_names]
+    table_of = [t for t, (*_, n) in enumerate(tables) for _ in range(n)]
+    most = 1
+    for lengths, ids in steps:
+        flat = torch.tensor([i for f in ids for i in f], dtype=torch.long)
+        psw = torch.randn(flat.numel(), dtype=torch.float64, generator=gen) if weighted else None
+        pooled, at = [], 0
+        for t, ls, f_ids in zip(table_of, lengths, ids):
+            x = flat[at:at + len(f_ids)]
+            starts = torch.tensor([0] + ls[:-1]).cumsum(0)
+            pooled.append(torch.nn.functional.embedding_bag(
+                x, theirs[t], starts, mode=tables[t][2], sparse=sparse,
+                per_sample_weights=None if psw is None else psw[at:at + len(f_ids)]))
+            at += len(f_ids)
+        g = torch.randn(B, sum(p.shape[1] for p in pooled), dtype=torch.float64, generator=gen)
+        for o in topts:
+            o.zero_grad()
+        torch.cat(pooled, 1).backward(g)
+        for o in topts:  # (every table steps: a collection's step count is one a backward)
+            o.step()
+        kjt = embfuse.KeyedJaggedTensor(keys, flat.to(device), None if psw is None else psw.float().to(device),
+                                        lengths=torch.tensor([n for ls in lengths for n in ls], device=device),
+                                        stride=B)
+        ours(kjt).values().backward(g.float().to(device))
+        most = max(most, flat.numel() + 1)
+        for w, t in zip(ours.table_weights(), theirs):
+            assert_close(w.detach(), t.detach(), torch.float32, reduction=most)
