@@ -60,15 +60,39 @@ def us(fn):
     return do_bench(fn, warmup=10, rep=200, return_mode="median") * 1e3
 
 
-def measure(D, dev="cuda", rows=10_000_000, B=65536, L=64):
+def ranked_batch(D, dev, rows, B, L):
+    """The probes' case: ids numbered by frequency (B bags of L), another batch's ids (what the
+    hot set is counted from), B + 1 offsets, the table, and `choose`'s hot set for it."""
     w = Workload("r", "bag", rows, D, B, L, "ranked", 1.05)
-    ids = generate_batch(w, dev, 0)[0].reshape(-1)
+    ids = generate_batch(w, dev, 0)[0].reshape(-1).contiguous()
     counted = generate_batch(w, dev, 1)[0].reshape(-1)
     offsets = torch.arange(0, ids.numel() + 1, L, device=dev)
     weight = torch.randn(rows, D, device=dev)
+    return ids, counted, offsets, weight, choose(counted, [0, rows], [D * 4], l2.support().max_persisting_bytes)
+
+
+def window_lines(cases, weight, window, width):
+    """A line a (name, call): its kernel time without and with the persisting window over the
+    first `window` bytes of `weight`, each case from an L2 with no persisting line (they survive
+    do_bench's flush)."""
+    lines = []
+    l2.reserve(window)
+    for name, fn in cases:
+        l2.reset()
+        plain = us(fn)
+
+        def windowed(fn=fn):
+            with l2.persisting(weight, window):
+                fn()
+
+        lines.append(f"  {name:{width}s} {plain:7.1f} us, with the window {us(windowed):7.1f} us")
+    return lines
+
+
+def measure(D, dev="cuda", rows=10_000_000, B=65536, L=64):
+    ids, counted, offsets, weight, hs = ranked_batch(D, dev, rows, B, L)
     out = torch.empty(B, D, device=dev)
     block_l = max(1, 256 // D)
-    hs = choose(counted, [0, rows], [D * 4], l2.support().max_persisting_bytes)
     window = hs.nbytes
     lines = [f"D{D} B{B} L{L}: window {window / 2**20:.1f} MB ({hs.in_place is not None and 'in place' or 'copy'}),"
              f" hit {hs.hit_rate:.2f}"]
@@ -93,29 +117,21 @@ def measure(D, dev="cuda", rows=10_000_000, B=65536, L=64):
     for n in ((128, 256, 384, 512, 1024) if D == 128 else (512, 1024, 1536, 2048, 4096)):
         share = (counted < n).float().mean().item()
         cases.append((f"steer {n} ({share:.1%} of lookups)", lambda n=n: probe(2, n)))
-    l2.reserve(window)
-    for name, fn in cases:
-        l2.reset()  # (persisting lines survive do_bench's flush: each case starts without them)
-        plain = us(fn)
-
-        def windowed(fn=fn):
-            with l2.persisting(weight, window):
-                fn()
-
-        lines.append(f"  {name:32s} {plain:7.1f} us, with the window {us(windowed):7.1f} us")
+    lines += window_lines(cases, weight, window, 32)
     # what this probe's first run did: a plain call timed after a windowed run, lines not reset
     lines.append(f"  plain, after the window's run, lines kept: {us(cases[1][1]):7.1f} us")
     l2.reset()
     return "\n".join(lines)
 
 
-def main():
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: max persisting L2 "
-          f"{l2.support().max_persisting_bytes / 2**20:.1f} MB")
-    for D in (128, 32):
+def report(what, measure, dims):
+    """The GPU, `what` ran the probe, the device's persisting L2; then `measure(D)` for each D."""
+    mb = l2.support().max_persisting_bytes / 2**20
+    print(f"{torch.cuda.get_device_name()}, {what}: max persisting L2 {mb:.1f} MB")
+    for D in dims:
         print(measure(D), flush=True)
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    report(f"triton {triton.__version__}", measure, (128, 32))

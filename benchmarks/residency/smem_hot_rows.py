@@ -27,12 +27,10 @@ Run on a GPU from the repository root: PYTHONPATH=src python benchmarks/residenc
 import cupy
 import numpy as np
 import torch
-from triton.testing import do_bench
+from l1_hot_rows import ranked_batch, report, window_lines  # (this folder: the script's own)
 
-from embfuse.bench.workloads import Workload, generate_batch
 from embfuse.ops import l2
 from embfuse.ops.embedding_bag import embedding_bag_forward
-from embfuse.ops.residency import choose
 
 SOURCE = r"""
 #define PRAGMA_TEXT(x) #x
@@ -90,18 +88,9 @@ def kernel(D, L, threads, use_smem: int, unroll, blocks_per_sm):
         f"-DMINB={blocks_per_sm}", "-std=c++17"))
 
 
-def us(fn):
-    return do_bench(fn, warmup=10, rep=200, return_mode="median") * 1e3
-
-
 def measure(D, dev="cuda", rows=10_000_000, B=65536, L=64):
-    w = Workload("r", "bag", rows, D, B, L, "ranked", 1.05)
-    ids = generate_batch(w, dev, 0)[0].reshape(-1).contiguous()
-    counted = generate_batch(w, dev, 1)[0].reshape(-1)
-    offsets = torch.arange(0, ids.numel() + 1, L, device=dev)
-    weight = torch.randn(rows, D, device=dev)
+    ids, counted, offsets, weight, hs = ranked_batch(D, dev, rows, B, L)
     out = torch.empty(B, D, device=dev)
-    hs = choose(counted, [0, rows], [D * 4], l2.support().max_persisting_bytes)
     window = hs.nbytes
     lines = [f"D{D} B{B} L{L}: window {window / 2**20:.1f} MB, hit {hs.hit_rate:.2f}"]
     cw, cids, cout = cupy.asarray(weight), cupy.asarray(ids), cupy.asarray(out)
@@ -136,27 +125,10 @@ def measure(D, dev="cuda", rows=10_000_000, B=65536, L=64):
         cases.append((f"  the same, H {h_most} copied, never read", variant(threads, 2, 8, bps, h_most)))
     for name, fn in cases:
         torch.testing.assert_close(fn(), ref, rtol=1e-4, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
-    l2.reserve(window)
-    for name, fn in cases:
-        l2.reset()  # (persisting lines survive do_bench's flush: each case starts without them)
-        plain = us(fn)
-
-        def windowed(fn=fn):
-            with l2.persisting(weight, window):
-                fn()
-
-        lines.append(f"  {name:44s} {plain:7.1f} us, with the window {us(windowed):7.1f} us")
-        l2.reset()
+    lines += window_lines(cases, weight, window, 44)
+    l2.reset()
     return "\n".join(lines)
 
 
-def main():
-    print(f"{torch.cuda.get_device_name()}, cupy {cupy.__version__}, {SMS} SMs: max persisting L2 "
-          f"{l2.support().max_persisting_bytes / 2**20:.1f} MB")
-    for D in (32, 128):
-        print(measure(D), flush=True)
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    report(f"cupy {cupy.__version__}, {SMS} SMs", measure, (32, 128))
