@@ -1,7 +1,8 @@
 """Differential trials of fused training against torch: random tables, bags (empty ones, repeated
 ids, padding_idx, per-sample weights), input forms, pooling modes and optimizers, a few steps of
-embfuse.nn.EmbeddingBag with a fused optimizer against torch.nn.EmbeddingBag in float64 stepped
-by torch.optim on its gradient. Weights and optimizer state are compared after every step.
+embfuse.nn.EmbeddingBag with a fused optimizer (fp32, fp16 and bf16 tables) against
+torch.nn.EmbeddingBag in float64 stepped by torch.optim on its gradient. Weights are compared
+after every step, optimizer state after the last; collections likewise, table by table.
 
 SGD and Adagrad without weight decay leave a row with no gradient as it is, so torch's dense
 step is their oracle. The other cases (weight decay, row-wise Adagrad, Adam: embfuse applies each
@@ -15,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import embfuse
 from tests.conftest import DEVICES
-from tests.tolerances import assert_close
+from tests.tolerances import TOL, assert_close
 
 
 @st.composite
@@ -104,6 +105,18 @@ def _ours_optimizer(opt, hyper):
             "adam": embfuse.optim.Adam}[opt](**hyper)
 
 
+def _close(ours, theirs, dtype, reduction, steps, scale=0.0):
+    """assert_close; for fp16 / bf16 tables, an ulp of the largest value seen (`scale`) a step:
+    the table and the oracle each round a step's result, a result near a rounding boundary can go
+    either way, and a later step that cancels most of the value keeps that ulp."""
+    if dtype == torch.float32:
+        return assert_close(ours, theirs, dtype, reduction=reduction)
+    rtol, atol = TOL[dtype]
+    scale = max(scale, float(theirs.abs().max()) if theirs.numel() else 0.0)
+    torch.testing.assert_close(ours.double().cpu(), theirs.double().cpu(), rtol=rtol * steps,
+                               atol=(atol * reduction + rtol * scale) * steps)
+
+
 def _batch(lengths, ids, form, device):
     x = torch.tensor(ids, dtype=torch.long, device=device)
     starts = torch.tensor([0] + lengths, device=device).cumsum(0)
@@ -113,40 +126,46 @@ def _batch(lengths, ids, form, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_fused_training_agrees_with_torch_optim(device, opt, data):
+def test_fused_training_agrees_with_torch_optim(device, dtype, opt, data):
+    """fp16 / bf16 tables: the oracle rounds its weights to the table's dtype after each step, as
+    the table stores them (embfuse's state stays fp32); the inputs are given in that dtype."""
     rows, D, mode, padding_idx, form, weighted, steps, hyper, seed = data.draw(trainings(opt))
     gen = torch.Generator().manual_seed(seed)
     kw = dict(mode=mode, padding_idx=padding_idx, include_last_offset=form == "last")
     theirs = torch.nn.EmbeddingBag(rows, D, sparse=True, dtype=torch.float64, **kw)
-    ours = embfuse.nn.EmbeddingBag(rows, D, device=device, optimizer=_ours_optimizer(opt, hyper), **kw)
+    ours = embfuse.nn.EmbeddingBag(rows, D, device=device, dtype=dtype, optimizer=_ours_optimizer(opt, hyper), **kw)
     with torch.no_grad():
-        theirs.weight.copy_(torch.randn(rows, D, dtype=torch.float64, generator=gen))
+        theirs.weight.copy_(torch.randn(rows, D, dtype=torch.float64, generator=gen).to(dtype))
         ours.weight.copy_(theirs.weight)
     topt = _torch_optimizer(opt, theirs.weight, padding_idx, hyper)
     if isinstance(topt, torch.optim.Optimizer):  # (its dense step: a dense gradient)
         theirs.sparse = False
-    most = 1
-    for lengths, ids in steps:
+    most, scale = 1, float(theirs.weight.detach().abs().max())
+    for done, (lengths, ids) in enumerate(steps, 1):
         x, offsets = _batch(lengths, ids, form, "cpu")
-        psw = torch.randn(x.shape, dtype=torch.float64, generator=gen) if weighted else None
-        g = torch.randn(len(lengths), D, dtype=torch.float64, generator=gen)
+        psw = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(dtype) if weighted else None
+        g = torch.randn(len(lengths), D, dtype=torch.float64, generator=gen).to(dtype)
         topt.zero_grad()
-        theirs(x, offsets, per_sample_weights=psw).backward(g)
+        theirs(x, offsets, per_sample_weights=None if psw is None else psw.double()).backward(g.double())
         topt.step()
+        with torch.no_grad():
+            theirs.weight.copy_(theirs.weight.to(dtype))
+        scale = max(scale, float(theirs.weight.detach().abs().max()))
         ours(x.to(device), None if offsets is None else offsets.to(device),
-             per_sample_weights=None if psw is None else psw.float().to(device)).backward(g.float().to(device))
+             per_sample_weights=None if psw is None else psw.to(device)).backward(g.to(device))
         assert ours.weight.grad is None
         most = max(most, len(ids) + 1)
-        assert_close(ours.weight.detach(), theirs.weight.detach(), torch.float32, reduction=most)
+        _close(ours.weight.detach(), theirs.weight.detach(), dtype, most, done, scale)
     state = topt.state if isinstance(topt, Lazy) else topt.state[theirs.weight]
     if opt in ("adagrad", "rowwise"):
-        assert_close(ours.optimizer_sum, state["sum"], torch.float32, reduction=most)
+        _close(ours.optimizer_sum, state["sum"], dtype, most, len(steps))
     if opt == "adam":
-        assert_close(ours.optimizer_exp_avg, state["exp_avg"], torch.float32, reduction=most)
-        assert_close(ours.optimizer_exp_avg_sq, state["exp_avg_sq"], torch.float32, reduction=most)
+        _close(ours.optimizer_exp_avg, state["exp_avg"], dtype, most, len(steps))
+        _close(ours.optimizer_exp_avg_sq, state["exp_avg_sq"], dtype, most, len(steps))
 
 
 @st.composite
