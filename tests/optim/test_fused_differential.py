@@ -236,3 +236,32 @@ def test_fused_collection_training_agrees_with_torch_optim(device, opt, data):
         most = max(most, flat.numel() + 1)
         for w, t in zip(ours.table_weights(), theirs):
             assert_close(w.detach(), t.detach(), torch.float32, reduction=most)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_fused_gather_training_agrees_with_torch_optim(device, opt, data):
+    """The same for embfuse.nn.Embedding (no pooling: each id's row is an output row) with ids of
+    any shape, repeated ids and padding_idx, against torch.nn.Embedding."""
+    rows, D, _, padding_idx, _, _, steps, hyper, seed = data.draw(trainings(opt))
+    gen = torch.Generator().manual_seed(seed)
+    theirs = torch.nn.Embedding(rows, D, padding_idx=padding_idx, sparse=True, dtype=torch.float64)
+    ours = embfuse.nn.Embedding(rows, D, padding_idx=padding_idx, device=device,
+                                optimizer=_ours_optimizer(opt, hyper))
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(rows, D, dtype=torch.float64, generator=gen))
+        ours.weight.copy_(theirs.weight)
+    topt = _torch_optimizer(opt, theirs.weight, padding_idx, hyper)
+    if isinstance(topt, torch.optim.Optimizer):
+        theirs.sparse = False
+    for lengths, ids in steps:
+        x = torch.tensor(ids, dtype=torch.long).view(len(lengths), -1) if ids and len(set(lengths)) == 1 else \
+            torch.tensor(ids, dtype=torch.long)
+        g = torch.randn(*x.shape, D, dtype=torch.float64, generator=gen)
+        topt.zero_grad()
+        theirs(x).backward(g)
+        topt.step()
+        ours(x.to(device)).backward(g.float().to(device))
+        assert_close(ours.weight.detach(), theirs.weight.detach(), torch.float32, reduction=len(ids) + 1)
