@@ -295,3 +295,91 @@ def test_fused_gather_training_agrees_with_torch_optim(device, opt, data):
         topt.step()
         ours(x.to(device)).backward(g.float().to(device))
         assert_close(ours.weight.detach(), theirs.weight.detach(), torch.float32, reduction=len(ids) + 1)
+
+
+@st.composite
+def tf_trainings(draw, opt):
+    """TensorFlow-style tables (combiner, default id) and sparse batches: B rows of up to 4
+    entries, ids < 0 among them, weights <= 0 too when weighted."""
+    tables = []
+    for _ in range(draw(st.integers(1, 3))):
+        rows = draw(st.integers(1, 8))
+        tables.append((rows, draw(st.sampled_from([1, 4])), draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+                       draw(st.one_of(st.none(), st.integers(0, rows - 1)))))
+    weighted, B = draw(st.booleans()), draw(st.integers(1, 4))
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        batch = []
+        for rows, *_ in tables:
+            entries = [(b, draw(st.integers(-1, rows - 1)), draw(st.sampled_from([-0.5, 0.0, 0.7, 1.3])))
+                       for b in range(B) for _ in range(draw(st.integers(0, 3)))]
+            batch.append(entries)
+        steps.append(batch)
+    hyper = dict(lr=draw(st.sampled_from([0.5, 0.05])), weight_decay=draw(st.sampled_from([0.0, 0.1])))
+    if opt != "sgd":
+        hyper.update(eps=draw(st.sampled_from([1e-10 if opt != "adam" else 1e-8, 0.1])))
+    return tables, weighted, B, steps, hyper, draw(st.integers(0, 2**16))
+
+
+def _tf_touched(entries, rows, combiner, default_id, weighted, B):
+    """The rows a TensorFlow lookup of `entries` reads: ids >= 0 (with weights > 0 when weighted
+    and the combiner is not sum), and the default id for a row left without one."""
+    kept = [(b, i) for b, i, w in entries if i >= 0 and (w > 0 or not weighted or combiner == "sum")]
+    touched = {i for _, i in kept}
+    if default_id is not None and len({b for b, _ in kept}) < B:
+        touched.add(default_id)
+    return sorted(touched)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_fused_tensorflow_collection_training_agrees(opt, data):
+    """A collection of TensorFlow-style tables (combiner=, default_id=: ids < 0 and, for mean and
+    sqrtn, weights <= 0 dropped; empty rows given the default id) trained with a fused optimizer,
+    against safe_embedding_lookup_sparse in float64, autograd's gradient and the rules on the rows
+    that lookup reads. Both sides share the safe pass (ops/safe.py), whose TensorFlow semantics
+    tests/tf checks against TensorFlow itself: this checks the fused update of such tables (the
+    default id's row included). CPU: the sparse batch is built on it."""
+    from embfuse.tf import keyed_batch, safe_embedding_lookup_sparse
+
+    tables, weighted, B, steps, hyper, seed = data.draw(tf_trainings(opt))
+    gen = torch.Generator().manual_seed(seed)
+    configs = [embfuse.EmbeddingBagConfig(rows, D, f"t{t}", feature_names=[f"f{t}"], combiner=c, default_id=d)
+               for t, (rows, D, c, d) in enumerate(tables)]
+    ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, optimizer=_ours_optimizer(opt, hyper))
+    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, D, _, _ in tables]
+    with torch.no_grad():
+        for w, t in zip(ours.table_weights(), theirs):
+            w.copy_(t)
+    topts = [Lazy(opt, t, None, **hyper) for t in theirs]
+    for batch in steps:
+        ids, weights = {}, {}
+        for t, entries in enumerate(batch):
+            index = [[b for b, _, _ in entries], [0] * len(entries)]
+            for k in range(1, len(entries)):  # (each row's entries in columns 0, 1, ...)
+                index[1][k] = index[1][k - 1] + 1 if entries[k][0] == entries[k - 1][0] else 0
+            shape = (B, 4)
+            ids[f"f{t}"] = torch.sparse_coo_tensor(torch.tensor(index, dtype=torch.long).view(2, -1),
+                                                   torch.tensor([i for _, i, _ in entries], dtype=torch.long), shape,
+                                                   check_invariants=True)
+            weights[f"f{t}"] = torch.sparse_coo_tensor(ids[f"f{t}"]._indices(), torch.tensor(
+                [w for _, _, w in entries], dtype=torch.float64), shape, check_invariants=True)
+        outs = [safe_embedding_lookup_sparse(theirs[t], ids[f"f{t}"], weights[f"f{t}"] if weighted else None, c, d)
+                for t, (_, _, c, d) in enumerate(tables)]
+        g = torch.randn(B, sum(o.shape[1] for o in outs), dtype=torch.float64, generator=gen)
+        for t in theirs:
+            t.grad = None
+        torch.cat(outs, 1).backward(g)
+        for t, ((rows, _, c, d), o) in enumerate(zip(tables, topts)):
+            touched = torch.tensor(_tf_touched(batch[t], rows, c, d, weighted, B), dtype=torch.long)
+            dense = theirs[t].grad
+            assume(bool((dense[touched].abs() > 1e-6).all()))  # (see test_fused_training_agrees_with_torch_optim)
+            theirs[t].grad = torch.sparse_coo_tensor(touched[None], dense[touched], dense.shape, check_invariants=True)
+            o.step()
+        kjt = keyed_batch(ids, {k: torch.sparse_coo_tensor(v._indices(), v._values().float(), v.shape,
+                                                           check_invariants=True)
+                                for k, v in weights.items()} if weighted else None)
+        ours(kjt).values().backward(g.float())
+        for w, t in zip(ours.table_weights(), theirs):
+            assert_close(w.detach(), t.detach(), torch.float32, reduction=16)
