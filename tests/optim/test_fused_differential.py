@@ -299,7 +299,7 @@ def test_fused_gather_training_agrees_with_torch_optim(device, opt, data):
 
 @st.composite
 def tf_trainings(draw, opt):
-    """TensorFlow-style tables (combiner, default id) and sparse batches: B rows of up to 4
+    """TensorFlow-style tables (combiner, default id) and sparse batches: B rows of up to 3
     entries, ids < 0 among them, weights <= 0 too when weighted."""
     tables = []
     for _ in range(draw(st.integers(1, 3))):
