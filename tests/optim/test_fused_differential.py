@@ -383,3 +383,42 @@ def test_fused_tensorflow_collection_training_agrees(opt, data):
         ours(kjt).values().backward(g.float())
         for w, t in zip(ours.table_weights(), theirs):
             assert_close(w.detach(), t.detach(), torch.float32, reduction=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_fused_unpooled_collection_training_agrees(device, opt, data):
+    """The same for TorchRec's EmbeddingCollection (unpooled: one row an id, tables of one width,
+    one or two features a table) against F.embedding over one float64 table a table."""
+    tables, _, B, steps, hyper, seed = data.draw(collection_trainings(opt))
+    D = tables[0][1]
+    gen = torch.Generator().manual_seed(seed)
+    configs = [embfuse.EmbeddingConfig(rows, D, f"t{t}", feature_names=[f"t{t}f{k}" for k in range(n)])
+               for t, (rows, _, _, n) in enumerate(tables)]
+    ours = embfuse.EmbeddingCollection(configs, device=device, optimizer=_ours_optimizer(opt, hyper))
+    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, *_ in tables]
+    with torch.no_grad():
+        for w, t in zip(ours.table_weights(), theirs):
+            w.copy_(t)
+    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
+    sparse = not isinstance(topts[0], torch.optim.Optimizer)
+    keys = [f for c in configs for f in c.feature_names]
+    table_of = [t for t, (*_, n) in enumerate(tables) for _ in range(n)]
+    for lengths, ids in steps:
+        gs = [torch.randn(len(f_ids), D, dtype=torch.float64, generator=gen) for f_ids in ids]
+        for o in topts:
+            o.zero_grad()
+        loss = sum((torch.nn.functional.embedding(torch.tensor(f_ids, dtype=torch.long), theirs[t], sparse=sparse)
+                    * g).sum() for t, f_ids, g in zip(table_of, ids, gs))
+        loss.backward()
+        for o in topts:  # (every table steps: a collection's step count is one a backward)
+            o.step()
+        flat = torch.tensor([i for f in ids for i in f], dtype=torch.long, device=device)
+        kjt = embfuse.KeyedJaggedTensor(keys, flat, lengths=torch.tensor([n for ls in lengths for n in ls],
+                                                                         device=device), stride=B)
+        out = ours(kjt)
+        sum((out[k].values() * g.float().to(device)).sum() for k, g in zip(keys, gs)).backward()
+        for w, t in zip(ours.table_weights(), theirs):
+            assert_close(w.detach(), t.detach(), torch.float32, reduction=flat.numel() + 1)
