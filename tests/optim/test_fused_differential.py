@@ -21,6 +21,8 @@ from tests.tolerances import TOL, assert_close
 
 @st.composite
 def trainings(draw, opt):
+    """One table's training: its size, pooling, padding_idx, input form, weights or not, one to
+    three batches (lengths, ids), the optimizer's hyper-parameters and a seed for the values."""
     rows, D = draw(st.integers(1, 12)), draw(st.sampled_from([1, 3, 8]))
     # (fused optimizers take no max pooling; sqrtn and wmean are TensorFlow's combiners)
     mode = draw(st.sampled_from(["sum", "mean", "sqrtn", "wmean"]))
