@@ -222,6 +222,21 @@ def collection_trainings(draw, opt):
     return tables, weighted, B, steps, hyper, draw(st.integers(0, 2**16))
 
 
+def _twins(ours, configs, opt, hyper, gen):
+    """For the collection `ours` of `configs`: one float64 table a table (a leaf, random, copied
+    into ours) and its oracle optimizer; whether the oracles take sparse gradients; the batch's
+    keys (every table's features in order) and each key's table."""
+    theirs = [torch.randn(c.num_embeddings, c.embedding_dim, dtype=torch.float64, generator=gen).requires_grad_()
+              for c in configs]
+    with torch.no_grad():
+        for w, t in zip(ours.table_weights(), theirs):
+            w.copy_(t)
+    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
+    keys = [f for c in configs for f in c.feature_names]
+    table_of = [t for t, c in enumerate(configs) for _ in c.feature_names]
+    return theirs, topts, not isinstance(topts[0], torch.optim.Optimizer), keys, table_of
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
 @settings(max_examples=20, deadline=None)
@@ -235,14 +250,7 @@ def test_fused_collection_training_agrees_with_torch_optim(device, opt, data):
                                           pooling=pooling) for t, (rows, D, pooling, n) in enumerate(tables)]
     ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, device=device,
                                           optimizer=_ours_optimizer(opt, hyper))
-    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, D, _, _ in tables]
-    with torch.no_grad():
-        for w, t in zip(ours.table_weights(), theirs):
-            w.copy_(t)
-    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
-    sparse = not isinstance(topts[0], torch.optim.Optimizer)
-    keys = [f for c in configs for f in c.feature_names]
-    table_of = [t for t, (*_, n) in enumerate(tables) for _ in range(n)]
+    theirs, topts, sparse, keys, table_of = _twins(ours, configs, opt, hyper, gen)
     most = 1
     for lengths, ids in steps:
         flat = torch.tensor([i for f in ids for i in f], dtype=torch.long)
@@ -400,14 +408,7 @@ def test_fused_unpooled_collection_training_agrees(device, opt, data):
     configs = [embfuse.EmbeddingConfig(rows, D, f"t{t}", feature_names=[f"t{t}f{k}" for k in range(n)])
                for t, (rows, _, _, n) in enumerate(tables)]
     ours = embfuse.EmbeddingCollection(configs, device=device, optimizer=_ours_optimizer(opt, hyper))
-    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, *_ in tables]
-    with torch.no_grad():
-        for w, t in zip(ours.table_weights(), theirs):
-            w.copy_(t)
-    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
-    sparse = not isinstance(topts[0], torch.optim.Optimizer)
-    keys = [f for c in configs for f in c.feature_names]
-    table_of = [t for t, (*_, n) in enumerate(tables) for _ in range(n)]
+    theirs, topts, sparse, keys, table_of = _twins(ours, configs, opt, hyper, gen)
     for lengths, ids in steps:
         gs = [torch.randn(len(f_ids), D, dtype=torch.float64, generator=gen) for f_ids in ids]
         for o in topts:
