@@ -16,6 +16,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import embfuse
 from tests.conftest import DEVICES
+from tests.tf.test_lookup import sparse
 from tests.tolerances import TOL, assert_close
 
 
@@ -222,16 +223,16 @@ def collection_trainings(draw, opt):
     return tables, weighted, B, steps, hyper, draw(st.integers(0, 2**16))
 
 
-def _twins(ours, configs, opt, hyper, gen):
+def _twins(ours, configs, opt, hyper, gen, oracle=_torch_optimizer):
     """For the collection `ours` of `configs`: one float64 table a table (a leaf, random, copied
-    into ours) and its oracle optimizer; whether the oracles take sparse gradients; the batch's
+    into ours) and its `oracle` optimizer; whether the oracles take sparse gradients; the batch's
     keys (every table's features in order) and each key's table."""
     theirs = [torch.randn(c.num_embeddings, c.embedding_dim, dtype=torch.float64, generator=gen).requires_grad_()
               for c in configs]
     with torch.no_grad():
         for w, t in zip(ours.table_weights(), theirs):
             w.copy_(t)
-    topts = [_torch_optimizer(opt, t, None, hyper) for t in theirs]
+    topts = [oracle(opt, t, None, hyper) for t in theirs]
     keys = [f for c in configs for f in c.feature_names]
     table_of = [t for t, c in enumerate(configs) for _ in c.feature_names]
     return theirs, topts, not isinstance(topts[0], torch.optim.Optimizer), keys, table_of
@@ -321,8 +322,8 @@ def tf_trainings(draw, opt):
     for _ in range(draw(st.integers(1, 3))):
         batch = []
         for rows, *_ in tables:
-            entries = [(b, draw(st.integers(-1, rows - 1)), draw(st.sampled_from([-0.5, 0.0, 0.7, 1.3])))
-                       for b in range(B) for _ in range(draw(st.integers(0, 3)))]
+            entries = [((b, k), draw(st.integers(-1, rows - 1)), draw(st.sampled_from([-0.5, 0.0, 0.7, 1.3])))
+                       for b in range(B) for k in range(draw(st.integers(0, 3)))]
             batch.append(entries)
         steps.append(batch)
     hyper = dict(lr=draw(st.sampled_from([0.5, 0.05])), weight_decay=draw(st.sampled_from([0.0, 0.1])))
@@ -334,7 +335,7 @@ def tf_trainings(draw, opt):
 def _tf_touched(entries, rows, combiner, default_id, weighted, B):
     """The rows a TensorFlow lookup of `entries` reads: ids >= 0 (with weights > 0 when weighted
     and the combiner is not sum), and the default id for a row left without one."""
-    kept = [(b, i) for b, i, w in entries if i >= 0 and (w > 0 or not weighted or combiner == "sum")]
+    kept = [(b, i) for (b, _), i, w in entries if i >= 0 and (w > 0 or not weighted or combiner == "sum")]
     touched = {i for _, i in kept}
     if default_id is not None and len({b for b, _ in kept}) < B:
         touched.add(default_id)
@@ -358,23 +359,12 @@ def test_fused_tensorflow_collection_training_agrees(opt, data):
     configs = [embfuse.EmbeddingBagConfig(rows, D, f"t{t}", feature_names=[f"f{t}"], combiner=c, default_id=d)
                for t, (rows, D, c, d) in enumerate(tables)]
     ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, optimizer=_ours_optimizer(opt, hyper))
-    theirs = [torch.randn(rows, D, dtype=torch.float64, generator=gen).requires_grad_() for rows, D, _, _ in tables]
-    with torch.no_grad():
-        for w, t in zip(ours.table_weights(), theirs):
-            w.copy_(t)
-    topts = [Lazy(opt, t, None, **hyper) for t in theirs]
+    theirs, topts, *_ = _twins(ours, configs, opt, hyper, gen, oracle=lambda o, t, p, h: Lazy(o, t, p, **h))
     for batch in steps:
         ids, weights = {}, {}
         for t, entries in enumerate(batch):
-            index = [[b for b, _, _ in entries], [0] * len(entries)]
-            for k in range(1, len(entries)):  # (each row's entries in columns 0, 1, ...)
-                index[1][k] = index[1][k - 1] + 1 if entries[k][0] == entries[k - 1][0] else 0
-            shape = (B, 4)
-            ids[f"f{t}"] = torch.sparse_coo_tensor(torch.tensor(index, dtype=torch.long).view(2, -1),
-                                                   torch.tensor([i for _, i, _ in entries], dtype=torch.long), shape,
-                                                   check_invariants=True)
-            weights[f"f{t}"] = torch.sparse_coo_tensor(ids[f"f{t}"]._indices(), torch.tensor(
-                [w for _, _, w in entries], dtype=torch.float64), shape, check_invariants=True)
+            ids[f"f{t}"] = sparse([(at, i) for at, i, _ in entries], (B, 4))
+            weights[f"f{t}"] = sparse([(at, w) for at, _, w in entries], (B, 4), dtype=torch.float64)
         outs = [safe_embedding_lookup_sparse(theirs[t], ids[f"f{t}"], weights[f"f{t}"] if weighted else None, c, d)
                 for t, (_, _, c, d) in enumerate(tables)]
         g = torch.randn(B, sum(o.shape[1] for o in outs), dtype=torch.float64, generator=gen)
@@ -387,9 +377,7 @@ def test_fused_tensorflow_collection_training_agrees(opt, data):
             assume(bool((dense[touched].abs() > 1e-6).all()))  # (see test_fused_training_agrees_with_torch_optim)
             theirs[t].grad = torch.sparse_coo_tensor(touched[None], dense[touched], dense.shape, check_invariants=True)
             o.step()
-        kjt = keyed_batch(ids, {k: torch.sparse_coo_tensor(v._indices(), v._values().float(), v.shape,
-                                                           check_invariants=True)
-                                for k, v in weights.items()} if weighted else None)
+        kjt = keyed_batch(ids, {k: v.float() for k, v in weights.items()} if weighted else None)
         ours(kjt).values().backward(g.float())
         for w, t in zip(ours.table_weights(), theirs):
             assert_close(w.detach(), t.detach(), torch.float32, reduction=16)

@@ -16,7 +16,7 @@ from tests.tolerances import assert_close
 
 def sparse(entries, shape, device="cpu", dtype=torch.int64):
     """A torch sparse COO tensor from [(index tuple, value)] in the given (row-major) order."""
-    idx = torch.tensor([list(i) for i, _ in entries], dtype=torch.int64).T.reshape(len(shape), -1)
+    idx = torch.tensor([list(i) for i, _ in entries], dtype=torch.int64).reshape(-1, len(shape)).T
     vals = torch.tensor([v for _, v in entries], dtype=dtype)
     return torch.sparse_coo_tensor(idx, vals, shape).to(device)
 
