@@ -342,23 +342,25 @@ def _tf_touched(entries, rows, combiner, default_id, weighted, B):
     return sorted(touched)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
-def test_fused_tensorflow_collection_training_agrees(opt, data):
+def test_fused_tensorflow_collection_training_agrees(device, opt, data):
     """A collection of TensorFlow-style tables (combiner=, default_id=: ids < 0 and, for mean and
     sqrtn, weights <= 0 dropped; empty rows given the default id) trained with a fused optimizer,
     against safe_embedding_lookup_sparse in float64, autograd's gradient and the rules on the rows
     that lookup reads. Both sides share the safe pass (ops/safe.py), whose TensorFlow semantics
     tests/tf checks against TensorFlow itself: this checks the fused update of such tables (the
-    default id's row included). CPU: the sparse batch is built on it."""
+    default id's row included). The sparse batch is built on the CPU and moved."""
     from embfuse.tf import keyed_batch, safe_embedding_lookup_sparse
 
     tables, weighted, B, steps, hyper, seed = data.draw(tf_trainings(opt))
     gen = torch.Generator().manual_seed(seed)
     configs = [embfuse.EmbeddingBagConfig(rows, D, f"t{t}", feature_names=[f"f{t}"], combiner=c, default_id=d)
                for t, (rows, D, c, d) in enumerate(tables)]
-    ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, optimizer=_ours_optimizer(opt, hyper))
+    ours = embfuse.EmbeddingBagCollection(configs, is_weighted=weighted, device=device,
+                                          optimizer=_ours_optimizer(opt, hyper))
     theirs, topts, *_ = _twins(ours, configs, opt, hyper, gen, oracle=lambda o, t, p, h: Lazy(o, t, p, **h))
     for batch in steps:
         ids, weights = {}, {}
@@ -377,8 +379,8 @@ def test_fused_tensorflow_collection_training_agrees(opt, data):
             assume(bool((dense[touched].abs() > 1e-6).all()))  # (see test_fused_training_agrees_with_torch_optim)
             theirs[t].grad = torch.sparse_coo_tensor(touched[None], dense[touched], dense.shape, check_invariants=True)
             o.step()
-        kjt = keyed_batch(ids, {k: v.float() for k, v in weights.items()} if weighted else None)
-        ours(kjt).values().backward(g.float())
+        kjt = keyed_batch(ids, {k: v.float() for k, v in weights.items()} if weighted else None).to(device)
+        ours(kjt).values().backward(g.float().to(device))
         for w, t in zip(ours.table_weights(), theirs):
             assert_close(w.detach(), t.detach(), torch.float32, reduction=16)
 
