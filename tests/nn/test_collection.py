@@ -247,6 +247,26 @@ def test_opcheck_and_compile(width):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_compiled_weighted_batch_of_one_sample_and_one_feature(device, pooling):
+    """One bag of a one-row table of width 1 (tests/ops/test_embedding_bag.py says why), with
+    weights, the loss taken in the graph: it failed to compile on the CPU before bags.index_sum.
+    The bag's output is the weights' sum (over its length, mean) times the row, and the row's
+    gradient that factor."""
+    torch._dynamo.reset()
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(1, 1, "t", feature_names=["f"], pooling=pooling)],
+                                 is_weighted=True, device=device)
+    psw = torch.rand(3, dtype=torch.float64) + 0.5
+    kjt = KeyedJaggedTensor(["f"], torch.zeros(3, dtype=torch.long), psw.float(), lengths=torch.tensor([3]))
+    with torch._inductor.config.patch(force_disable_caches=True):  # (see the test it points to)
+        out = torch.compile(lambda k: ebc(k).values().sum(), fullgraph=True)(kjt.to(device))
+        out.backward()
+    scale = psw.sum() / (3 if pooling == "mean" else 1)
+    assert_close(out, ebc.weights.detach().double().cpu().view(()) * scale, torch.float32, reduction=3)
+    assert_close(ebc.weights.grad, scale.view(1), torch.float32, reduction=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_layer_norm_lookup_is_an_op_and_compiles(device):
     """forward_layer_norm's lookup (the chain in the pooling kernel's epilogue on a GPU) passes
     opcheck and stays in one torch.compile(fullgraph=True) graph, with the eager result."""

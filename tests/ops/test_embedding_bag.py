@@ -467,6 +467,34 @@ def test_compile_fullgraph(device, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode,weighted,dtype", [("sum", True, torch.float32), ("sum", False, torch.bfloat16),
+                                                 ("mean", False, torch.bfloat16), ("sqrtn", False, torch.float32),
+                                                 ("wmean", True, torch.float32)])
+def test_a_compiled_lookup_of_one_bag_from_one_element(device, mode, weighted, dtype):
+    """One bag of a (1, 1) table, a loss taken in the graph: each sum over bags or rows has one
+    element. Inductor's CPU code fails to compile a scatter-add into one element
+    (pytorch/pytorch#160391), so the references sum into a spare row (bags.index_sum); this
+    failed to compile on the CPU before that. (Caches off: a compiled graph found in Inductor's
+    cache is not compiled again.)"""
+    torch._dynamo.reset()
+    w0, psw0 = torch.rand(1, 1, dtype=torch.float64) + 0.5, torch.rand(3, dtype=torch.float64) + 0.5
+    ids, offsets = torch.zeros(3, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
+
+    def f(w, psw):
+        return embfuse.embedding_bag(ids, w, offsets, mode=mode, per_sample_weights=psw).sum()
+
+    results = []
+    for fn, dt in ((torch.compile(f, fullgraph=True), dtype), (f, torch.float64)):
+        w = w0.to(device, dt).requires_grad_()
+        psw = psw0.to(device, dt).requires_grad_() if weighted else None
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out = fn(w, psw)
+            results.append([out, *torch.autograd.grad(out, [w] + ([psw] if weighted else []))])
+    for got, want in zip(*results, strict=True):
+        assert_close(got, want, dtype, reduction=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["sum", "max"])
 def test_compiled_backward_of_hot_ids_at_two_batch_sizes(device, mode):
     """Thousands of ids on 3 wide rows: the gradient's segment reduction (ops/segments.py) runs

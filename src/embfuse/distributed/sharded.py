@@ -44,8 +44,8 @@ from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
-from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, pool_norm_reference,
-                              weight_term)
+from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, index_sum,
+                              pool_norm_reference, weight_term)
 from embfuse.ops.validate import validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
@@ -437,7 +437,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
     def _norms(self, kjt: KeyedJaggedTensor, B: int) -> Tensor:
         """(B, sum of widths): what each row-wise mean / sqrtn feature's summed partials are
         divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
-        F, dev, acc = len(self.feature_names), self.device, accumulation(self._dtype())
+        F, acc = len(self.feature_names), accumulation(self._dtype())
         lengths = kjt.lengths().long()
         psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)
@@ -446,7 +446,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         else:
             bag = bag_of_value(kjt.offsets().long(), psw.numel())
             terms = weight_term(pool[bag], psw.to(acc))
-            wsum = torch.zeros(F * B, dtype=acc, device=dev).index_add_(0, bag, terms)
+            wsum = index_sum(F * B, bag, terms)
         norm = pool_norm_reference(pool, lengths, wsum).view(F, B).T
         return norm.repeat_interleave(self._dims_t, dim=1, output_size=sum(self._dims))
 

@@ -94,6 +94,13 @@ def bag_of_value(offsets: Tensor, n: int) -> Tensor:
     return starts[:n].cumsum(0) - 1
 
 
+def index_sum(n: int, index: Tensor, src: Tensor) -> Tensor:
+    """zeros(n, *src.shape[1:]).index_add_(0, index, src), in src's dtype, made in a buffer one
+    row longer: Inductor's CPU code fails to compile a scatter-add into a buffer of one element
+    (pytorch/pytorch#160391), which a traced batch of one bag, or a one-row table of width 1, is."""
+    return src.new_zeros((n + 1, *src.shape[1:])).index_add_(0, index, src)[:n]
+
+
 def held_offsets(offsets: Tensor, n: int) -> Tensor:
     """Offsets held inside [0, n] and non-decreasing: what torch's CPU embedding_bag may be given
     (it reads ids up to the last offset, and bounds_check="off" has checked none). A valid batch
@@ -141,11 +148,11 @@ def bag_norms_reference(values, offsets, psw, meta, B, padding_idx=-1, dtype=tor
     keep, bag = pooled_values(values, offsets, padding_idx)
     FB = offsets.numel() - 1
     pool = meta[:, POOL].repeat_interleave(max(B, 1))[:FB]
-    count = torch.zeros(FB, dtype=torch.int64, device=values.device).index_add_(0, bag, keep.long())
+    count = index_sum(FB, bag, keep.long())
     wsum = count.to(dtype)
     if psw is not None:
         w = torch.where(keep, psw.to(dtype), 0)
-        wsum = torch.zeros(FB, dtype=dtype, device=values.device).index_add_(0, bag, weight_term(pool[bag], w))
+        wsum = index_sum(FB, bag, weight_term(pool[bag], w))
     return keep, bag, pool_norm_reference(pool, count, wsum), wsum
 
 

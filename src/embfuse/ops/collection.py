@@ -21,7 +21,7 @@ from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op,
                               triton, use_kernels)
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
                               K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
-                              accumulation,
+                              accumulation, index_sum,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
@@ -124,8 +124,7 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
     """Pure torch (CPU path and test oracle): gather every value's row, scale, add into its bag."""
     acc = accumulation(weights)
     w_at, o_at, factor, inside = _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc)
-    out = torch.zeros(B * total_dim, dtype=acc, device=weights.device)
-    out.index_add_(0, o_at.reshape(-1), torch.where(inside, weights.to(acc)[w_at] * factor, 0).reshape(-1))
+    out = index_sum(B * total_dim, o_at.reshape(-1), torch.where(inside, weights.to(acc)[w_at] * factor, 0).reshape(-1))
     return out.view(B, total_dim).to(weights.dtype)
 
 
@@ -274,8 +273,8 @@ def collection_backward_reference(grad, values, offsets, psw, meta, B, num_eleme
     """Pure torch: every value's scaled gradient row added into its table row."""
     acc = accumulation(grad)
     w_at, o_at, factor, inside = _elements(values, offsets, psw, meta, B, grad.shape[1], max_dim, acc)
-    out = torch.zeros(num_elements, dtype=acc, device=grad.device)
-    out.index_add_(0, w_at.reshape(-1), torch.where(inside, grad.to(acc).reshape(-1)[o_at] * factor, 0).reshape(-1))
+    out = index_sum(num_elements, w_at.reshape(-1),
+                    torch.where(inside, grad.to(acc).reshape(-1)[o_at] * factor, 0).reshape(-1))
     return out.to(grad.dtype)
 
 

@@ -14,7 +14,7 @@ from torch.autograd import forward_ad
 
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
-from embfuse.ops.bags import SUM
+from embfuse.ops.bags import SUM, index_sum
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
 from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
@@ -166,8 +166,7 @@ def _double_backward(ctx, grad_grad):
     at = torch.where(keep, ids, 0)
     rows = torch.where(keep[:, None], grad_grad[at], 0)
     if scale_grad_by_freq:
-        counts = torch.zeros(num_weights, dtype=grad_grad.dtype, device=ids.device).index_add_(
-            0, at, keep.to(grad_grad.dtype))
+        counts = index_sum(num_weights, at, keep.to(grad_grad.dtype))
         rows = rows / counts[at].clamp(min=1)[:, None]
     return rows, None, None, None, None
 
@@ -188,9 +187,7 @@ def _sparse_grad(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     if padding_idx >= 0:
         ids, values = ids[keep], values[keep]
     if scale_grad_by_freq:
-        counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(
-            0, ids, torch.ones_like(ids, dtype=torch.float32)
-        )
+        counts = index_sum(num_weights, ids, torch.ones_like(ids, dtype=torch.float32))
         values = values / counts[ids][:, None].to(grad.dtype)
     return torch.sparse_coo_tensor(ids[None], values, (num_weights, grad.shape[1]), check_invariants=False)
 

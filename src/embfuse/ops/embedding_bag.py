@@ -23,7 +23,7 @@ from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op,
                               triton, use_kernels)
 from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCALED, SQRTN, SUM, TORCH_MODES,
                               WEIGHT_SUMS, accumulation, backward_inputs, bag_norms_reference, divide, divide_reference,
-                              pool_bag, held_offsets, pool_norm, pooled_values, single_meta, torch_cpu)
+                              pool_bag, held_offsets, index_sum, pool_norm, pooled_values, single_meta, torch_cpu)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -66,10 +66,9 @@ def embedding_bag_reference(weight, indices, offsets, per_sample_weights, mode, 
     rows = weight[indices.long()].to(acc_dtype)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.to(acc_dtype)[:, None]
-    out = torch.zeros(B, D, dtype=acc_dtype, device=weight.device)
     if mode == MAX:
-        return _max_reference(rows, keep, bag, indices, B, D, out.dtype, weight.dtype)
-    out.index_add_(0, bag, torch.where(keep[:, None], rows, 0))  # (not a product: 0 * NaN is NaN)
+        return _max_reference(rows, keep, bag, indices, B, D, acc_dtype, weight.dtype)
+    out = index_sum(B, bag, torch.where(keep[:, None], rows, 0))  # (not a product: 0 * NaN is NaN)
     if mode in SCALED:
         meta = single_meta(weight.shape[0], D, mode, weight.device)
         out = divide_reference(out, bag_norms_reference(indices, offsets, per_sample_weights, meta, B, padding_idx,
@@ -319,7 +318,7 @@ def _sparse_grad(grad, indices, offsets, per_sample_weights, num_weights, mode, 
     if padding_idx >= 0:
         ids, values, keep = ids[keep], values[keep], keep[keep]
     if scale_grad_by_freq:
-        counts = torch.zeros(num_weights, dtype=torch.float32, device=grad.device).index_add_(0, ids, keep.float())
+        counts = index_sum(num_weights, ids, keep.float())
         values = values / counts[ids].clamp(min=1)[:, None].to(grad.dtype)
     return torch.sparse_coo_tensor(ids[None], values, (num_weights, D), check_invariants=False)
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags, program_bags
+from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags, index_sum, program_bags
 from embfuse.ops import tuning
 
 DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
@@ -86,7 +86,7 @@ def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     at = torch.arange(n, device=dev) + shift[bag] if FB else torch.arange(n, device=dev)
     out_v[at] = torch.where(keep, values, SKIPPED)
     out_w[at] = torch.where(keep, w, 0)
-    kept = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.long())
+    kept = index_sum(FB, bag, keep.long())
     last = torch.where(has_default, new_offsets[1:] - 1, n + extra)
     out_v[last] = torch.where(kept == 0, rules[g // B, DEFAULT_ID], SKIPPED).to(values.dtype)
     out_w[last] = (kept == 0).to(dtype)

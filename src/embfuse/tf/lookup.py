@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import needs_op, tracing
-from embfuse.ops.bags import accumulation
+from embfuse.ops.bags import accumulation, index_sum
 from embfuse.ops.collection import Plan, embedding_bag_collection
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, BadIdError, UnsupportedError
 from embfuse.ops.safe import POOLING, safe_bags, safe_rule
@@ -166,11 +166,11 @@ def combine_reference(shards, rows, ids, weights, num_rows, combiner, partition_
     acc = accumulation(table)
     e = _clip(_gather(shards, ids, partition_strategy), max_norm).to(acc)
     w = torch.ones(ids.numel(), dtype=acc, device=ids.device) if weights is None else weights.to(acc)
-    out = torch.zeros(num_rows, table.shape[1], dtype=acc, device=ids.device).index_add(0, rows, e * w[:, None])
+    out = index_sum(num_rows, rows, e * w[:, None])
     if combiner == "mean":
-        div = torch.zeros(num_rows, dtype=acc, device=ids.device).index_add_(0, rows, w)
+        div = index_sum(num_rows, rows, w)
     elif combiner == "sqrtn":
-        div = torch.zeros(num_rows, dtype=acc, device=ids.device).index_add_(0, rows, w * w).sqrt()
+        div = index_sum(num_rows, rows, w * w).sqrt()
     else:
         return out.to(table.dtype)
     return torch.where(div[:, None] != 0, out / torch.where(div != 0, div, 1)[:, None], 0).to(table.dtype)
