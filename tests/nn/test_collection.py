@@ -245,7 +245,6 @@ def test_opcheck_and_compile(width):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_a_compiled_weighted_batch_of_one_sample_and_one_feature(device, pooling):
