@@ -266,6 +266,41 @@ def test_a_compiled_weighted_batch_of_one_sample_and_one_feature(device, pooling
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_torch_export_of_a_collection(device, weighted):
+    """A keyed batch in, a KeyedTensor out: the exported program pools as the module does, for
+    a batch of other lengths too (the values' count is dynamic)."""
+    ebc = EmbeddingBagCollection(tables(), is_weighted=weighted, device=device)
+    kjt = random_kjt(["uid", "friend", "iid", "genres"], 4, device, weighted)
+    n = torch.export.Dim("n", min=2)
+    shapes = {"features": [(n,), (n,) if weighted else None, None, None, None]}  # (the flattened leaves)
+    exported = torch.export.export(ebc, (kjt,), dynamic_shapes=shapes).module()
+    for batch in (kjt, random_kjt(["uid", "friend", "iid", "genres"], 4, device, weighted)):
+        got, want = exported(batch), ebc(batch)
+        assert got.keys() == want.keys()
+        torch.testing.assert_close(got.values(), want.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_export_of_a_fused_collection(device):
+    """With autograd on, a fused optimizer's lookup refuses export with a clear error (the calls
+    export would make keep its fake tensors) and the module trains on unchanged; under no_grad
+    the plain lookup exports."""
+    ebc = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.1))
+    kjt = random_kjt(["uid", "friend", "iid", "genres"], 4, device)
+    with pytest.raises(NotImplementedError, match="fused optimizer cannot be exported.*no_grad"):
+        torch.export.export(ebc, (kjt,))
+    twin = EmbeddingBagCollection(tables(), device=device, optimizer=SGD(lr=0.1))
+    twin.load_state_dict(ebc.state_dict())
+    for m in (ebc, twin):
+        m(kjt).values().sum().backward()
+    assert torch.equal(ebc.weights, twin.weights)
+    with torch.no_grad():
+        exported = torch.export.export(ebc, (kjt,)).module()
+        torch.testing.assert_close(exported(kjt).values(), ebc(kjt).values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_layer_norm_lookup_is_an_op_and_compiles(device):
     """forward_layer_norm's lookup (the chain in the pooling kernel's epilogue on a GPU) passes
     opcheck and stays in one torch.compile(fullgraph=True) graph, with the eager result."""

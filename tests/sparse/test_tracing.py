@@ -93,6 +93,18 @@ def test_from_dense_lengths_traces_with_or_without_weights():
     assert traced(values=values, lengths=lengths, weights=-values).weights().tolist() == [-0.0, -1, -8, -9, -10]
 
 
+def test_pytree_key_paths_name_every_leaf():
+    """torch.export names its inputs and outputs by key path: each class has a flatten_with_keys."""
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(3), torch.rand(3), lengths=torch.tensor([1, 0, 2, 0]))
+    kt, jt = KeyedTensor(["a"], [2], torch.rand(2, 2)), kjt.to_dict()["a"]
+    paths, _ = pytree.tree_flatten_with_path((kjt, jt, kt))
+    names = [pytree.keystr(p) for p, _ in paths]
+    assert names == ["[0]._values", "[0]._weights", "[0]._lengths", "[0]._offsets", "[0]._inverse_indices",
+                     "[1]._values", "[1]._weights", "[1]._lengths", "[1]._offsets", "[2]._values"]
+    leaves = pytree.tree_flatten((kjt, jt, kt))[0]
+    assert len(leaves) == len(paths) and all(a is b for (_, a), b in zip(paths, leaves))
+
+
 def test_pytree_round_trips():
     kt = KeyedTensor(["a", "b"], [1, 2], torch.rand(3, 3))
     leaves, spec = pytree.tree_flatten(kt)

@@ -27,6 +27,7 @@ from embfuse.ops.collection import pool_collection
 from embfuse.ops.deferred import TracedCheck, check_of, known_good
 from embfuse.ops.embedding import gather, guarded_ids, prepare_ids
 from embfuse.ops.embedding_bag import per_sample_weights_grad, pool, prepare_bags, table_backward_inputs
+from embfuse.ops.errors import UnsupportedError
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_fused_table
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
@@ -230,6 +231,10 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
     """Run a fused lookup: eagerly through `_Fused`, and inside torch.compile graphs (or any
     tracing) as the opaque ops below, which carry the same calls."""
     if tracing():
+        if torch.compiler.is_exporting():
+            # (export traces with fake tensors, and the call objects it would make keep them)
+            raise UnsupportedError("a lookup with a fused optimizer cannot be exported; export under torch.no_grad() "
+                                   "for inference, which exports the plain lookup")
         handle = _handle(kind.__name__, fused._embfuse_handle, *map(_handles.as_constant, static))
         return _fused_lookup_op(fused.anchor, weight, list(fused.state.values()), *tensors, _status(check), handle,
                                 size)

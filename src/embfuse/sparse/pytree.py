@@ -56,14 +56,28 @@ def _kt_flatten_spec(kt: KeyedTensor, spec) -> list[Tensor]:
     return [kt.values() if kt.keys() == keys else KeyedTensor.regroup([kt], [keys])[0]]
 
 
+# each leaf's attribute, for the key paths torch.export names its inputs and outputs by
+_JT_LEAVES = ("_values", "_weights", "_lengths", "_offsets")
+_KJT_LEAVES = _JT_LEAVES + ("_inverse_indices",)
+
+
+def _with_keys(flatten, names):
+    """A flatten_with_keys_fn (torch.export needs one for every input and output class)."""
+    def flatten_with_keys(t):
+        leaves, context = flatten(t)
+        return [(torch.utils._pytree.GetAttrKey(n), leaf) for n, leaf in zip(names, leaves)], context
+    return flatten_with_keys
+
+
 def register() -> None:
     """Register the four classes (once: embfuse.sparse does it on import)."""
-    for cls, flatten, unflatten in ((JaggedTensor, _jt_flatten, _jt_unflatten),
-                                    (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten),
-                                    (PaddedKeyedJaggedTensor, _kjt_flatten, _padded_unflatten)):
-        torch.utils._pytree.register_pytree_node(cls, flatten, unflatten,
-                                                 serialized_type_name=f"embfuse.{cls.__name__}")
+    for cls, flatten, unflatten, names in ((JaggedTensor, _jt_flatten, _jt_unflatten, _JT_LEAVES),
+                                           (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _KJT_LEAVES),
+                                           (PaddedKeyedJaggedTensor, _kjt_flatten, _padded_unflatten, _KJT_LEAVES)):
+        torch.utils._pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"embfuse.{cls.__name__}",
+                                                 flatten_with_keys_fn=_with_keys(flatten, names))
         torch.fx._pytree.register_pytree_flatten_spec(cls, lambda t, spec, flatten=flatten: flatten(t)[0])
     torch.utils._pytree.register_pytree_node(KeyedTensor, _kt_flatten, _kt_unflatten,
-                                             serialized_type_name="embfuse.KeyedTensor")
+                                             serialized_type_name="embfuse.KeyedTensor",
+                                             flatten_with_keys_fn=_with_keys(_kt_flatten, ("_values",)))
     torch.fx._pytree.register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)
