@@ -266,15 +266,16 @@ def test_a_compiled_weighted_batch_of_one_sample_and_one_feature(device, pooling
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("weighted", [False, True])
-def test_torch_export_of_a_collection(device, weighted):
+@pytest.mark.parametrize("weighted,strict", [(False, False), (True, False), (True, True)])
+def test_torch_export_of_a_collection(device, weighted, strict):
     """A keyed batch in, a KeyedTensor out: the exported program pools as the module does, for
-    a batch of other lengths too (the values' count is dynamic)."""
+    a batch of other lengths too (the values' count is dynamic). Strict export rebuilds the
+    batch from fake leaves outside any trace, where its construction checks must not read them."""
     ebc = EmbeddingBagCollection(tables(), is_weighted=weighted, device=device)
     kjt = random_kjt(["uid", "friend", "iid", "genres"], 4, device, weighted)
     n = torch.export.Dim("n", min=2)
     shapes = {"features": [(n,), (n,) if weighted else None, None, None, None]}  # (the flattened leaves)
-    exported = torch.export.export(ebc, (kjt,), dynamic_shapes=shapes).module()
+    exported = torch.export.export(ebc, (kjt,), dynamic_shapes=shapes, strict=strict).module()
     for batch in (kjt, random_kjt(["uid", "friend", "iid", "genres"], 4, device, weighted)):
         got, want = exported(batch), ebc(batch)
         assert got.keys() == want.keys()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from embfuse._triton import tracing
 from embfuse.ops.errors import BadCountsError
-from embfuse.sparse.tracing import Traceable
+from embfuse.sparse.tracing import Traceable, host_data
 
 
 def _offsets_of(lengths: Tensor) -> Tensor:
@@ -63,7 +63,7 @@ class _Jagged(metaclass=Traceable):
                 raise ValueError(f"{kind}: weights has shape {tuple(weights.shape)}; values has "
                                  f"{tuple(values.shape)} (one weight a value, or a row a row of values)")
         # (inside a traced graph the offsets are data: the lookup's check finds what this would)
-        if offsets is not None and offsets.device.type == "cpu" and offsets.numel() and not tracing():
+        if offsets is not None and offsets.numel() and host_data(offsets):
             dec = (offsets[1:] < offsets[:-1]).nonzero()
             if int(offsets[0]) != 0 or dec.numel():
                 at = 0 if int(offsets[0]) != 0 else int(dec[0]) + 1
@@ -261,7 +261,7 @@ class KeyedJaggedTensor(_Jagged):
         self._bounds = list(itertools.accumulate(self._stride_per_key, initial=0))  # each key's lengths
         self._length_per_key = length_per_key
         counts = self._offsets if self._lengths is None else self._lengths
-        if counts.device.type == "cpu" and not tracing():
+        if host_data(counts):
             self.validate()  # host lengths: the sums cost no device read (traced: the lookup's check)
 
     # TorchRec's own ComputeKJTToJTDict module passes this (its to_dict cache) on: embfuse keeps none

@@ -1,7 +1,18 @@
-"""torch.fx support shared by the jagged classes."""
+"""Tracing support shared by the jagged classes: torch.fx's, and whether a tensor's values can
+be read on the host."""
 
 import torch
 import torch.fx._symbolic_trace as _symbolic_trace
+from torch._subclasses.fake_tensor import is_fake
+
+from embfuse._triton import tracing
+
+
+def host_data(t: torch.Tensor) -> bool:
+    """Whether `t`'s values can be read on the host for free (construction checks): a CPU tensor
+    outside any trace, and not a fake one (strict torch.export rebuilds its inputs from fake
+    leaves outside any trace)."""
+    return t.device.type == "cpu" and not tracing() and not is_fake(t)
 
 
 class Traceable(torch.fx.ProxyableClassMeta):
