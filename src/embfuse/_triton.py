@@ -85,6 +85,13 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def exporting() -> bool:
+    """True while torch.export traces (strict or not). Read from export's own flag: torch 2.11's
+    dynamo takes `torch.compiler.is_exporting()` for True under torch.compile too (2.13 reads the
+    flag, as this does)."""
+    return getattr(torch.compiler, "_is_exporting_flag", False)
+
+
 def needs_op(*tensors) -> bool:
     """Whether a call needs its op's autograd and registration: under tracing (the registered
     op) or when autograd records it (in eager code, `eager_autograd`'s Function). Otherwise eager

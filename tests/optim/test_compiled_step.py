@@ -133,6 +133,18 @@ def test_a_bad_batch_in_a_compiled_step_changes_no_row(device):
         assert torch.equal(v, model.state_dict()[k]), k
 
 
+def test_a_compiled_step_is_not_taken_for_an_export(monkeypatch):
+    """torch 2.11's dynamo takes torch.compiler.is_exporting() for True under torch.compile, where
+    a fused lookup refuses to be exported: the lookup reads export's own flag instead."""
+    # as torch 2.11's dynamo reads it: True inside any dynamo trace
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling())
+    torch._dynamo.reset()
+    model = Bag(SGD(lr=0.1), "cpu")
+    before = model.bag.weight.detach().clone()
+    torch.compile(model, fullgraph=True)(*Bag.batch(torch.Generator().manual_seed(1), "cpu")).backward()
+    assert not torch.equal(model.bag.weight, before)
+
+
 def test_opcheck_of_the_fused_lookup_ops():
     from embfuse.optim.lookup import FusedOptimizer, _BagCall, _call
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from embfuse import _handles
-from embfuse._triton import tracing, use_kernels
+from embfuse._triton import exporting, tracing, use_kernels
 from embfuse.ops.bags import accumulation
 from embfuse.ops.collection import pool_collection
 from embfuse.ops.deferred import TracedCheck, check_of, known_good
@@ -231,7 +231,7 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
     """Run a fused lookup: eagerly through `_Fused`, and inside torch.compile graphs (or any
     tracing) as the opaque ops below, which carry the same calls."""
     if tracing():
-        if torch.compiler.is_exporting():
+        if exporting():
             # (export traces with fake tensors, and the call objects it would make keep them)
             raise UnsupportedError("a lookup with a fused optimizer cannot be exported; export under torch.no_grad() "
                                    "for inference, which exports the plain lookup")
