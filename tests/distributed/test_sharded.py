@@ -21,7 +21,12 @@ from tests.tolerances import assert_close
 FEATURES = {"uid": 20, "friend": 20, "iid": 9, "genres": 5, "ad": 7}
 
 
-def tables(dtype=torch.float32, weighted=False):
+def tables(dtype=torch.float32, weighted=False, tf=False):
+    if tf:  # TensorFlow's combiners (default ids on a shared table and on mean) beside a TorchRec table
+        return [EmbeddingBagConfig(20, 4, "user", dtype, ["uid", "friend"], combiner="sum", default_id=3),
+                EmbeddingBagConfig(9, 3, "item", dtype, ["iid"], combiner="mean", default_id=0),
+                EmbeddingBagConfig(5, 8, "genre", dtype, ["genres"], combiner="sqrtn"),
+                EmbeddingBagConfig(7, 1, "ad", dtype, ["ad"], pooling="mean")]
     # mixed widths (D = 1 too), a shared table, every pooling (weighted: sum and sqrtn)
     mean = "sum" if weighted else "mean"
     return [EmbeddingBagConfig(20, 4, "user", dtype, ["uid", "friend"]),
@@ -44,8 +49,10 @@ PLANS = {
 }
 
 
-def batch(rank, step, weighted, B=None):
-    """Rank `rank`'s batch of step `step`: per key (lengths, ids, weights); B = 3 + rank."""
+def batch(rank, step, weighted, B=None, tf=False):
+    """Rank `rank`'s batch of step `step`: per key (lengths, ids, weights); B = 3 + rank. `tf`:
+    about a third of the TensorFlow-style features' ids < 0, and weights down to -0.1 (what
+    TensorFlow's rules drop)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     B = 3 + rank if B is None else B
     out = {}
@@ -55,6 +62,9 @@ def batch(rank, step, weighted, B=None):
             lengths[0] = 0
         ids = torch.randint(0, FEATURES[k], (int(lengths.sum()),), generator=g)
         w = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
+        if tf and k != "ad":
+            ids = torch.where(torch.rand(ids.shape, generator=g) < 0.35, -1 - ids, ids)
+            w = None if w is None else w - 0.6
         out[k] = (lengths, ids, w)
     return out
 
@@ -76,18 +86,19 @@ def grad_weights(B, width, step, rank):
     return torch.randn(B, width, generator=torch.Generator().manual_seed(77 + 31 * step + rank))
 
 
-def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu", hot_rows=0, sizes=None):
-    """`sizes`: each rank's batch size (3 + rank when None)."""
+def _compare(rank, world, plan_name, optimizer, dtype, weighted, steps, device="cpu", hot_rows=0, sizes=None,
+             tf=False):
+    """`sizes`: each rank's batch size (3 + rank when None); `tf`: TensorFlow-style tables."""
     sizes = [3 + r for r in range(world)] if sizes is None else sizes
     torch.manual_seed(5)
     hot = dict(hot_rows=hot_rows, hot_min_values=0) if hot_rows else {}
-    ebc = EmbeddingBagCollection(tables(dtype, weighted), is_weighted=weighted, optimizer=optimizer, device=device,
+    ebc = EmbeddingBagCollection(tables(dtype, weighted, tf), is_weighted=weighted, optimizer=optimizer, device=device,
                                  **hot)
     ref = copy.deepcopy(ebc)
     model = ed.shard(ebc, PLANS[plan_name])
     tol = dict(dtype=dtype, reduction=8 * world)
     for step in range(steps):
-        batches = [batch(r, step, weighted, sizes[r]) for r in range(world)]
+        batches = [batch(r, step, weighted, sizes[r], tf) for r in range(world)]
         mine = kjt_of(batches[rank], weighted)
         if step == 1:  # a padded batch: unpadded for the exchange
             mine = PaddedKeyedJaggedTensor.from_kjt(mine, mine.values().numel() + 5)
@@ -138,6 +149,23 @@ def _all_plans(rank, world, device="cpu"):
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_plan_and_optimizer_matches_the_unsharded_collection(world):
     run_world(_all_plans, world)
+
+
+def _tf_plans(rank, world, device="cpu"):
+    for plan in ("table_wise", "row_wise", "column_wise", "mixed"):
+        # Adam and weight decay move any row a SKIPPED id would touch; row-wise Adagrad takes column
+        # pieces the exact path (PieceUpdate)
+        for opt in (None, Adam(lr=0.05), RowWiseAdagrad(lr=0.1, weight_decay=0.01)):
+            _compare(rank, world, plan, opt, torch.float32, False, 3, device, tf=True)
+    _compare(rank, world, "mixed_unplaced", Adagrad(lr=0.1), torch.float32, True, 3, device, tf=True)
+    _compare(rank, world, "row_wise", SGD(lr=0.1), torch.bfloat16, True, 2, device, tf=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tables_with_tensorflow_combiners_match_the_unsharded_collection(world):
+    """Ids < 0 and weights <= 0 dropped, default ids for bags left empty, sqrtn and mean (over the
+    weights) across row shards: as the unsharded collection looks them up and trains them."""
+    run_world(_tf_plans, world)
 
 
 def test_world_of_one_gives_the_unsharded_numbers():
@@ -221,12 +249,13 @@ def test_pooled_rows_can_cross_ranks_in_bf16():
     run_world(_comm_dtype, 2)
 
 
-def _errors(rank, world, device="cpu"):
+def _errors(rank, world, device="cpu", tf=False):
+    """`tf`: TensorFlow-style tables, whose batches hold ids < 0 (dropped, not errors)."""
     torch.manual_seed(5)
-    ebc = EmbeddingBagCollection(tables(), optimizer=Adagrad(lr=0.1), device=device)
+    ebc = EmbeddingBagCollection(tables(tf=tf), optimizer=Adagrad(lr=0.1), device=device)
     model = ed.shard(ebc, _mixed(world))
     before = model.full_state_dict()
-    good = batch(rank, 0, False)
+    good = batch(rank, 0, False, tf=tf)
 
     key = next(k for k in KEYS if good[k][1].numel())  # a feature this rank has ids of
 
@@ -236,7 +265,7 @@ def _errors(rank, world, device="cpu"):
         message = e.value.args[0]
         assert message.startswith(f"rank {world - 1}'s batch: ") and text in message, message
 
-    for value, cls in ((FEATURES[key], embfuse_errors.BadIdError), (-3, IndexError)):
+    for value, cls in ((FEATURES[key], embfuse_errors.BadIdError), (-3, IndexError))[:1 if tf else 2]:
         ids = good[key][1].clone()
         ids[-1] = value
         raises_everywhere(kjt_of({**good, key: (good[key][0], ids, None)}, False), cls,
@@ -262,8 +291,9 @@ def _unchecked(parts, lengths):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_bad_batch_on_one_rank_raises_on_every_rank_and_changes_nothing(world):
-    run_world(_errors, world)
+@pytest.mark.parametrize("tf", [False, True], ids=["torchrec", "tensorflow"])
+def test_a_bad_batch_on_one_rank_raises_on_every_rank_and_changes_nothing(world, tf):
+    run_world(_errors, world, "cpu", tf)
 
 
 def _mismatch(rank, world):
@@ -368,9 +398,6 @@ def test_a_feature_of_two_tables_is_sharded_as_two_slots():
 
 
 def _refuses(rank, world):
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="mean")])
-    with pytest.raises(NotImplementedError, match="combiner= cannot be sharded"):
-        ed.shard(ebc)
     model = ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa", "fb"])]))
     vbe = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]),
                             stride_per_key_per_rank=[[2], [1]], inverse_indices=(["fa", "fb"], torch.zeros(2, 2)))

@@ -1,8 +1,9 @@
 """`torchrun --nproc_per_node=N -m tests.distributed.torchrun_compare`: every plan and optimizer
-against the unsharded collection, a bad batch on the last rank, a checkpoint from every rank
-loaded into one collection, TrainPipeline against the plain loop, and the overlap pass (eager
-stages, and functional collectives under torch.compile) against the eager model, on this launch's ranks
-(NCCL and CUDA tables when there is a GPU, gloo and CPU tables otherwise)."""
+against the unsharded collection (tables with TensorFlow's combiners too), a bad batch on the
+last rank, a checkpoint from every rank loaded into one collection, TrainPipeline against the
+plain loop, and the overlap pass (eager stages, and functional collectives under torch.compile)
+against the eager model, on this launch's ranks (NCCL and CUDA tables when there is a GPU, gloo
+and CPU tables otherwise)."""
 
 import gc
 import os
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from tests.distributed.test_pipeline import _pipeline_equals_plain_loop
 from tests.fx.test_overlap import _compiled, _overlap
-from tests.distributed.test_sharded import _all_plans, _errors, _save
+from tests.distributed.test_sharded import _all_plans, _errors, _save, _tf_plans
 
 if __name__ == "__main__":
     cuda = torch.cuda.is_available()
@@ -24,7 +25,10 @@ if __name__ == "__main__":
         device = "cuda" if cuda else "cpu"
         _all_plans(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: every plan matches the unsharded collection")
+        _tf_plans(dist.get_rank(), dist.get_world_size(), device)
+        print(f"rank {dist.get_rank()}: so do tables with TensorFlow's combiners")
         _errors(dist.get_rank(), dist.get_world_size(), device)
+        _errors(dist.get_rank(), dist.get_world_size(), device, tf=True)
         print(f"rank {dist.get_rank()}: a bad batch on rank {dist.get_world_size() - 1} raised here too, "
               "nothing changed")
         with tempfile.TemporaryDirectory() as folder:

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from embfuse.ops import errors
+from embfuse.ops.bags import SKIPPED
+from embfuse.ops.safe import feature_rules, safe_bags
 from embfuse.ops.validate import check_index_dtype, collection_status
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
@@ -25,12 +27,15 @@ STATUS, BATCH, COUNTS = 0, 1, 2
 
 @dataclass
 class Routed:
-    """A batch routed on its rank: `lens` (slots, B) each slot's lengths; `values` / `psw` the
-    batch's ids (int64) and weights (fp32); `rows` the row-wise features' (local ids, weights)
-    in slot order (Routing's keys), or None."""
+    """A batch routed on its rank: `given` the batch as given (one key a feature) and `offsets`
+    its offsets, which an error message points into; `kjt` the batch as it is pooled (after
+    TensorFlow's safe rules, if any feature has them); `lens` (slots, B) each slot's lengths;
+    `values` / `psw` the pooled batch's ids (int64) and weights (fp32); `rows` the row-wise
+    features' (local ids, weights) in slot order (Routing's keys), or None."""
 
-    kjt: KeyedJaggedTensor
+    given: KeyedJaggedTensor
     offsets: Tensor
+    kjt: KeyedJaggedTensor
     values: Tensor
     psw: Optional[Tensor]
     rows: Optional[tuple]
@@ -42,14 +47,21 @@ class Routing:
     """The host tables of the routing of one plan (`shards`, `kinds`: per feature, in
     `feature_names` order; `entries[r]`: rank r's features, one slot each, from `slot_base[r]`).
     `sources`: the batch's key each feature reads; a feature of several tables is one feature a
-    table here, named as the collection names its outputs (f"{feature}@{table}")."""
+    table here, named as the collection names its outputs (f"{feature}@{table}"). `safe`: each
+    feature's TensorFlow rule (ops/safe.py safe_rule) or None: such features are pooled after the
+    safe pass, made here before the routing, so their dropped ids travel as SKIPPED with weight 0
+    (to the first row shard, for row-wise tables) and their default ids as ids; the batch then
+    always carries weights (`carries_weights`)."""
 
     def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device,
-                 weight_dtype=torch.float32):
+                 weight_dtype=torch.float32, safe=None):
         F, nslots = len(feature_names), slot_base[-1]
         self.feature_names, self.sources, self.is_weighted, self.device = feature_names, sources, is_weighted, device
         self.weight_dtype = weight_dtype  # what the weights cross ranks in: the tables' accumulation dtype
-        self.limits = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.rules, self.limits = feature_rules(safe, self.rows)
+        self.carries_weights = is_weighted or self.rules is not None
+        self.defaults = [r is not None and r[2] is not None for r in safe or [None] * F]
         # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
         # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise
         # feature's (shards, B) counts]: `slot_rows` picks them.
@@ -123,23 +135,34 @@ class Routing:
         # need every rank to send one dtype
         psw = psw.to(self.weight_dtype) if psw is not None else None
         values = values.long()
+        pooled, given_offsets = kjt, offsets
+        if self.rules is not None:  # (a bad batch comes out as empty bags; it is never sent)
+            values, offsets, psw = safe_bags(values, offsets, psw, self.rules, B, status.view(1), self.weight_dtype)
+            lengths = offsets.diff()
+            per_key = [c + B * d for c, d in zip(kjt.length_per_key(), self.defaults)]  # (host counts, as below)
+            pooled = KeyedJaggedTensor(self.feature_names, values, psw, lengths=lengths, stride=B,
+                                       length_per_key=per_key)
+            n = values.numel()
         lens = lengths.view(F, B)
         rows = None
         if self.row_features:
             starts = [0]
-            for c in kjt.length_per_key():  # (host counts: read only if the batch does not carry them)
+            for c in pooled.length_per_key():  # (host counts: read only if the batch does not carry them)
                 starts.append(min(max(starts[-1] + c, 0), n))  # (in bounds whatever the lengths)
             spans = [torch.arange(starts[i], starts[i + 1], device=dev) for i in self.row_features]
             at = spans[0] if len(spans) == 1 else torch.cat(spans)
             # (bad lengths: garbage from here on, clamped in bounds, never sent)
             bag = (torch.searchsorted(offsets, at, right=True) - 1).clamp(0, max(F * B - 1, 0))
             feature = bag // Bs
-            ids = torch.minimum(values[at].clamp(min=0), self.limits[feature] - 1)
+            ids = torch.minimum(values[at].clamp(min=0), self.rows[feature] - 1)
             shard = ids // self.blocks[feature]
             K = len(self.row_features) * self.most_shards
             key = (self.key_base[feature] + shard).clamp(max=K - 1)
             order = torch.sort(key.int(), stable=True).indices
-            rows = ((ids - shard * self.blocks[feature])[order], None if psw is None else psw[at][order])
+            local = ids - shard * self.blocks[feature]
+            if self.rules is not None:  # (SKIPPED ids stay SKIPPED)
+                local = torch.where(values[at] < 0, SKIPPED, local)
+            rows = (local[order], None if psw is None else psw[at][order])
             counts = torch.zeros(K * Bs, dtype=torch.int64, device=dev).index_add_(
                 0, key * Bs + bag - feature * Bs, torch.ones_like(key))
             lens = torch.cat([lens, counts.view(K, Bs)[:, :B]])
@@ -147,7 +170,7 @@ class Routing:
         if self._fields[0] != B:
             self._fields = (B, torch.tensor([B, 0], dtype=torch.int64, device=dev))
         header = torch.cat([status.view(1), lens.sum(1), self._fields[1]])[self.header_src]
-        return header, Routed(kjt, offsets, values, psw, rows, lens, B)
+        return header, Routed(kjt, given_offsets, pooled, values, psw, rows, lens, B)
 
     def send_buffer(self, routed: Routed, counts: list[int]) -> tuple[Tensor, list[int]]:
         """One int64 buffer to send and its size for each destination (`counts`: each slot's

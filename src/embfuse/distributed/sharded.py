@@ -46,6 +46,7 @@ from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, po
 from embfuse.ops import errors
 from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, index_sum,
                               pool_norm_reference, weight_term)
+from embfuse.ops.safe import POOLING
 from embfuse.ops.validate import validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
 from embfuse.sparse.keyed_tensor import KeyedTensor
@@ -68,8 +69,6 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
     same tables, options and plan; the tables start as rank 0's `ebc` (its weights and optimizer
     state)."""
     world = dist.get_world_size(group)
-    if any(getattr(t, "combiner", None) is not None for t in ebc.tables):
-        raise NotImplementedError("tables with TensorFlow's combiner= cannot be sharded yet")
     if not isinstance(plan, ShardingPlan):
         plan = plan_shards(ebc.tables, world, plan, ebc.weights.dtype, ebc.optimizer, lookups, memory_per_rank)
     if plan.world_size != world:
@@ -80,11 +79,16 @@ def shard(ebc: EmbeddingBagCollection, plan=None, group=None, lookups: Optional[
 def _describe(ebc: EmbeddingBagCollection, plan: ShardingPlan, comm_dtype) -> dict:
     return {
         "tables": [(t.name, t.num_embeddings, t.embedding_dim, str(table_dtype(t.data_type)), pooling_name(t.pooling),
-                    list(t.feature_names)) for t in ebc.tables],
+                    t.combiner, t.default_id, list(t.feature_names)) for t in ebc.tables],
         "is_weighted": ebc.is_weighted(), "optimizer": repr(ebc.optimizer),
         "hot_rows": None if ebc._hot is None else (ebc._hot.k, ebc._hot.refresh, ebc._hot.min_values),
         "plan": plan.describe(), "comm_dtype": str(comm_dtype),
     }
+
+
+def _pooling(t: EmbeddingBagConfig) -> str:
+    """A table's pooling: its TensorFlow combiner's (ops/safe.py POOLING) when it has one."""
+    return POOLING[t.combiner] if t.combiner is not None else pooling_name(t.pooling)
 
 
 def _first_difference(a, b):
@@ -138,6 +142,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                        zip(ebc.tables, ebc._names_by_table)]
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
+        # TensorFlow's rules a feature (its table's combiner=): the routing applies them, and the
+        # shards then pool weighted batches with SKIPPED ids (routing.py)
+        self._safe = [ebc._safe.get(f) for f in self.feature_names]
+        self._carries = self._is_weighted or any(r is not None for r in self._safe)
         self._optimizer = ebc.optimizer
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
         self._build_local(ebc)
@@ -154,7 +162,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         shards = self.plan.local(rank)
         for s in sorted(shards, key=lambda s: s.table in self._exact):
             t = self.tables[self._table_index[s.table]]
-            pooling = "sum" if self.plan.types[s.table] == "row_wise" else pooling_name(t.pooling)
+            pooling = "sum" if self.plan.types[s.table] == "row_wise" else _pooling(t)
             out.append(EmbeddingBagConfig(num_embeddings=s.rows, embedding_dim=s.dim, name=s.table,
                                           data_type=table_dtype(t.data_type), feature_names=list(t.feature_names),
                                           pooling=pooling))
@@ -164,7 +172,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         configs = [c for c in self._local_configs(self.rank) if c.name not in self._exact]
         hot = ebc._hot  # hot_rows: each rank's collection takes its hot set from what it looks up
         options = dict(hot_rows=hot.k, hot_refresh=hot.refresh, hot_min_values=hot.min_values) if hot else {}
-        self.local = EmbeddingBagCollection(configs, self._is_weighted, self.device, ebc.optimizer,
+        self.local = EmbeddingBagCollection(configs, self._carries, self.device, ebc.optimizer,
                                             bounds_check="off", **options) if configs else None
         pieces = [c for c in self._local_configs(self.rank) if c.name in self._exact]
         groups = {}  # every rank makes every group, in one order (new_group's rule)
@@ -174,11 +182,14 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 groups[ranks] = dist.new_group(list(ranks))
         self.pieces = None
         if pieces:
-            self.pieces = EmbeddingBagCollection(pieces, self._is_weighted, self.device, bounds_check="off")
+            self.pieces = EmbeddingBagCollection(pieces, self._carries, self.device, bounds_check="off")
             self.piece_update = PieceUpdate(self.pieces, ebc.optimizer, [
                 (groups[tuple(self._global(s.rank) for s in self.plan.shards[c.name])],
                  self.tables[self._table_index[c.name]].embedding_dim) for c in pieces])
             self.register_buffer("pieces_sum", self.piece_update.state)
+        for shards in (self.local, self.pieces):
+            if shards is not None:
+                shards._safe_passed = any(r is not None for r in self._safe)
 
     def _build_routes(self) -> None:
         """Host tables of the routing: each rank's features (`entries`), their slots (one per
@@ -204,10 +215,10 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         rows = [table_of[f].num_embeddings for f in self.feature_names]
         dev = self.device
         self.routing = Routing(self.feature_names, self._sources, shards, kinds, rows, self.entries, self.slot_base,
-                               self._is_weighted, dev, accumulation(self._dtype()))
+                               self._is_weighted, dev, accumulation(self._dtype()), self._safe)
         self._shards, self._kinds = shards, kinds
         # rowwise mean / sqrtn: the sample's rank divides the summed partials by the bag's norm
-        self._divide = torch.tensor([POOLINGS[pooling_name(table_of[f].pooling)] if k == "row_wise" else SUM
+        self._divide = torch.tensor([POOLINGS[_pooling(table_of[f])] if k == "row_wise" else SUM
                                      for f, k in zip(self.feature_names, kinds)], dtype=torch.int64, device=dev)
         self._needs_norm = bool((self._divide != SUM).any())
         self._dims_t = torch.tensor(self._dims, device=dev)  # the norms' repeat counts
@@ -223,7 +234,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if error is not None:
             mine = (type(error).__name__, str(error.args[0]) if error.args else str(error))
         elif statuses[self.rank]:
-            kjt, offsets = routed.kjt, routed.offsets
+            kjt, offsets = routed.given, routed.offsets
             try:
                 validate_collection(kjt.values(), offsets, None, self.routing.limits, kjt.stride(), self.feature_names,
                                     self._table_names, "sync")
@@ -261,7 +272,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         sent = [c for d in range(W) for c in sent_host[d][COUNTS:COUNTS + len(self.entries[d])]]
         recv_counts = [got_host[s][COUNTS:COUNTS + E] for s in range(W)]
         buf, send_sizes = self.routing.send_buffer(routed, sent)
-        per_id = 2 if self._is_weighted else 1
+        per_id = 2 if self._carries else 1
         with timed(timer, "input", self.device):
             recv, work = all_to_all(buf, send_sizes, [E * b + per_id * sum(c) for b, c in zip(batches, recv_counts)],
                                     self.group, async_op=True)
@@ -342,7 +353,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         total = sum(batches)
         if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
-        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._is_weighted, accumulation(self._dtype())
+        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._carries, accumulation(self._dtype())
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         if W == 1:  # one source: its lengths, ids and weights are each one slice already
             n, at = sum(counts[0]), E * total
@@ -439,7 +450,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
         F, acc = len(self.feature_names), accumulation(self._dtype())
         lengths = kjt.lengths().long()
-        psw = kjt.weights_or_none() if self._is_weighted else None
+        psw = kjt.weights_or_none() if self._carries else None
         pool = self._divide.repeat_interleave(B)
         if psw is None:
             wsum = lengths.to(acc)

@@ -374,6 +374,8 @@ class EmbeddingBagCollection(_Collection):
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
         self._feature = {}  # output name -> (table index, pooling, first output column)
         self._safe = {}  # output name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
+        # batches that come after the safe pass elsewhere (a sharded collection's shards): SKIPPED ids to pass over
+        self._safe_passed = False
         col = 0
         for i, (t, tf, names) in enumerate(zip(tables, tf_pooling, self._names_by_table)):
             for name in names:
@@ -393,7 +395,9 @@ class EmbeddingBagCollection(_Collection):
         return self.tables
 
     def _new_plan(self, keys, device) -> Plan:
-        return Plan(self._shapes, [self._feature[k] for k in keys], device, [self._safe.get(k) for k in keys])
+        plan = Plan(self._shapes, [self._feature[k] for k in keys], device, [self._safe.get(k) for k in keys])
+        plan.skips = plan.skips or self._safe_passed
+        return plan
 
     def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True):
         """The batch restricted to this collection's features and checked (validate_collection;

@@ -25,7 +25,7 @@ from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
-from embfuse.ops.safe import safe_rules
+from embfuse.ops.safe import feature_rules
 from embfuse.ops.segments import Layout, reduce_segments, segment_grad_reference, table_starts
 from embfuse.ops import tuning
 
@@ -53,12 +53,7 @@ class Plan(_handles.Named):
         self.meta = torch.tensor(self.rows, dtype=torch.int64, device=device).reshape(-1, META_COLUMNS)
         # the narrowest feature's width, 0 when a table's ids pass int32 (tuning.narrows)
         self.narrow_dim = min((m[DIM] for m in self.rows), default=0) if max(rows, default=0) < 1 << 31 else 0
-        self.rules = None
-        self.limits = self.meta[:, ROWS].contiguous()  # rows of each feature's table: the check's bounds
-        if safe is not None and any(r is not None for r in safe):
-            self.rules = safe_rules([r or (False, False, None) for r in safe], device)
-            drops = torch.tensor([r is not None and r[0] for r in safe], device=device)
-            self.limits = torch.where(drops, -self.limits, self.limits)
+        self.rules, self.limits = feature_rules(safe, self.meta[:, ROWS].contiguous())  # (limits: the check's bounds)
         self.skips = self.rules is not None  # batches after the safe pass hold SKIPPED ids
         self.tail = False  # the plan of padded batches (sparse/padded.py): nn/collection.py sets it
         self.table_names = None  # each feature's table's name, for messages: nn/collection.py sets it

@@ -64,6 +64,16 @@ def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rule
     return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, RULE_COLUMNS), before)
 
 
+def feature_rules(safe: Optional[list], rows: Tensor) -> tuple[Optional[Rules], Tensor]:
+    """Features' rules (each a safe_rule tuple, or None for a feature without one) as (Rules, or
+    None when no feature has one; the check's bounds: each feature's table rows, negated for the
+    features whose ids < 0 are dropped, which the check then lets through)."""
+    if safe is None or all(r is None for r in safe):
+        return None, rows
+    drops = torch.tensor([r is not None and r[0] for r in safe], device=rows.device)
+    return safe_rules([r or (False, False, None) for r in safe], rows.device), torch.where(drops, -rows, rows)
+
+
 def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, B: int,
                         extra: int, dtype=torch.float32) -> tuple[Tensor, Tensor, Tensor]:
     """Pure torch (CPU path and test oracle): (values, offsets, weights) after the rules (`rules`:
