@@ -8,10 +8,9 @@ a cProfile of the default's steps. host ~= wall > GPU busy means host-bound.
 
 import cProfile
 import pstats
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from host_default_b2048 import per_call as calls_of  # (this folder: the script's own)
 
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
@@ -24,21 +23,7 @@ grad = torch.randn(2048, 128 * 26, device="cuda")
 
 def per_call(f, train: bool):
     with torch.enable_grad() if train else torch.no_grad():
-        for _ in range(20):
-            f()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            f()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                f()
-            torch.cuda.synchronize()
-    gpu = sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") / 10
-    return (t1 - t0) * 1e4, (t2 - t0) * 1e4, gpu
+        return calls_of(f, 100)
 
 
 for mode in ("deferred", "off"):
