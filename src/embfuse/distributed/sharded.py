@@ -142,8 +142,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                        zip(ebc.tables, ebc._names_by_table)]
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
-        # TensorFlow's rules a feature (its table's combiner=): the routing applies them, and the
-        # shards then pool weighted batches with SKIPPED ids (routing.py)
+        # each feature's TensorFlow rule (its table's combiner=) or None: the routing applies them,
+        # and the shards then pool weighted batches with SKIPPED ids (routing.py)
         self._safe = [ebc._safe.get(f) for f in self.feature_names]
         self._carries = self._is_weighted or any(r is not None for r in self._safe)
         self._optimizer = ebc.optimizer
