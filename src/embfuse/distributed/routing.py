@@ -51,7 +51,7 @@ class Routing:
     feature's TensorFlow rule (ops/safe.py safe_rule) or None: such features are pooled after the
     safe pass, made here before the routing, so their dropped ids travel as SKIPPED with weight 0
     (to the first row shard, for row-wise tables) and their default ids as ids; the batch then
-    always carries weights (`carries_weights`)."""
+    always carries weights."""
 
     def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device,
                  weight_dtype=torch.float32, safe=None):
@@ -60,7 +60,6 @@ class Routing:
         self.weight_dtype = weight_dtype  # what the weights cross ranks in: the tables' accumulation dtype
         self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
         self.rules, self.limits = feature_rules(safe, self.rows)
-        self.carries_weights = is_weighted or self.rules is not None
         self.defaults = [r is not None and r[2] is not None for r in safe or [None] * F]
         # each slot's source: (feature, None) for a whole feature, (feature, j) for row shard j.
         # The lengths of every slot are rows of [the batch's (F, B) lengths; each row-wise

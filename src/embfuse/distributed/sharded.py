@@ -145,7 +145,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         # each feature's TensorFlow rule (its table's combiner=) or None: the routing applies them,
         # and the shards then pool weighted batches with SKIPPED ids (routing.py)
         self._safe = [ebc._safe.get(f) for f in self.feature_names]
-        self._carries = self._is_weighted or any(r is not None for r in self._safe)
+        self._has_rules = any(r is not None for r in self._safe)
+        self._carries = self._is_weighted or self._has_rules
         self._optimizer = ebc.optimizer
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
         self._build_local(ebc)
@@ -189,7 +190,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
             self.register_buffer("pieces_sum", self.piece_update.state)
         for shards in (self.local, self.pieces):
             if shards is not None:
-                shards._safe_passed = any(r is not None for r in self._safe)
+                shards._safe_passed = self._has_rules
 
     def _build_routes(self) -> None:
         """Host tables of the routing: each rank's features (`entries`), their slots (one per
