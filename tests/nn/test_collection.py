@@ -494,6 +494,30 @@ def test_tensorflow_tables_are_safe_embedding_lookup_sparse(device, weighted, dt
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_an_unweighted_tensorflow_batch_is_the_weighted_one_with_weights_1(device):
+    """Without weights the safe pass writes none (each entry weighs 1, a dropped one nothing, read
+    from the ids): outputs, the fused update and its state are bitwise those of a weighted
+    collection given weights of 1."""
+    keys, B = ["uid", "friend", "iid", "genres", "tags"], 6
+    kjt = _tf_batch(keys, B, device, weighted=False)
+    ones = KeyedJaggedTensor(keys, kjt.values(), torch.ones_like(kjt.values(), dtype=torch.float32),
+                             lengths=kjt.lengths())
+    plain, weighted = (EmbeddingBagCollection(_tf_tables(torch.float32), is_weighted=w, device=device,
+                                              optimizer=Adam(lr=0.05, weight_decay=0.1)) for w in (False, True))
+    weighted.load_state_dict(plain.state_dict())
+    for step in range(2):
+        outs = [m(batch).values() for m, batch in ((plain, kjt), (weighted, ones))]
+        assert torch.equal(outs[0], outs[1])
+        g = torch.randn_like(outs[0])
+        for out in outs:
+            out.backward(g)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, weighted.state_dict()[k]), k
+    for k, v in plain._fused.state.items():
+        assert torch.equal(v, weighted._fused.state[k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tensorflow_tables_refuse_what_tensorflow_refuses(device):
     """An id past its table is an error naming the feature and position, ids < 0 only where the
     table has a combiner; bad configurations are refused at construction."""

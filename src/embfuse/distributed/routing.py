@@ -49,9 +49,9 @@ class Routing:
     `sources`: the batch's key each feature reads; a feature of several tables is one feature a
     table here, named as the collection names its outputs (f"{feature}@{table}"). `safe`: each
     feature's TensorFlow rule (ops/safe.py safe_rule) or None: such features are pooled after the
-    safe pass, made here before the routing, so their dropped ids travel as SKIPPED with weight 0
-    (to the first row shard, for row-wise tables) and their default ids as ids; the batch then
-    always carries weights."""
+    safe pass, made here before the routing, so their dropped ids travel as SKIPPED (with weight 0
+    in a weighted batch; to the first row shard, for row-wise tables) and their default ids as
+    ids."""
 
     def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device,
                  weight_dtype=torch.float32, safe=None):

@@ -44,7 +44,7 @@ from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.ops import errors
-from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, index_sum,
+from embfuse.ops.bags import (POOLINGS, SKIPPED, SUM, accumulation, bag_of_value, divide_reference, index_sum,
                               pool_norm_reference, weight_term)
 from embfuse.ops.safe import POOLING
 from embfuse.ops.validate import validate_collection
@@ -143,10 +143,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
         # each feature's TensorFlow rule (its table's combiner=) or None: the routing applies them,
-        # and the shards then pool weighted batches with SKIPPED ids (routing.py)
+        # and the shards then pool batches with SKIPPED ids (routing.py)
         self._safe = [ebc._safe.get(f) for f in self.feature_names]
         self._has_rules = any(r is not None for r in self._safe)
-        self._carries = self._is_weighted or self._has_rules
         self._optimizer = ebc.optimizer
         self._table_index = {t.name: i for i, t in enumerate(self.tables)}
         self._build_local(ebc)
@@ -173,7 +172,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         configs = [c for c in self._local_configs(self.rank) if c.name not in self._exact]
         hot = ebc._hot  # hot_rows: each rank's collection takes its hot set from what it looks up
         options = dict(hot_rows=hot.k, hot_refresh=hot.refresh, hot_min_values=hot.min_values) if hot else {}
-        self.local = EmbeddingBagCollection(configs, self._carries, self.device, ebc.optimizer,
+        self.local = EmbeddingBagCollection(configs, self._is_weighted, self.device, ebc.optimizer,
                                             bounds_check="off", **options) if configs else None
         pieces = [c for c in self._local_configs(self.rank) if c.name in self._exact]
         groups = {}  # every rank makes every group, in one order (new_group's rule)
@@ -183,7 +182,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
                 groups[ranks] = dist.new_group(list(ranks))
         self.pieces = None
         if pieces:
-            self.pieces = EmbeddingBagCollection(pieces, self._carries, self.device, bounds_check="off")
+            self.pieces = EmbeddingBagCollection(pieces, self._is_weighted, self.device, bounds_check="off")
             self.piece_update = PieceUpdate(self.pieces, ebc.optimizer, [
                 (groups[tuple(self._global(s.rank) for s in self.plan.shards[c.name])],
                  self.tables[self._table_index[c.name]].embedding_dim) for c in pieces])
@@ -273,7 +272,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         sent = [c for d in range(W) for c in sent_host[d][COUNTS:COUNTS + len(self.entries[d])]]
         recv_counts = [got_host[s][COUNTS:COUNTS + E] for s in range(W)]
         buf, send_sizes = self.routing.send_buffer(routed, sent)
-        per_id = 2 if self._carries else 1
+        per_id = 2 if self._is_weighted else 1
         with timed(timer, "input", self.device):
             recv, work = all_to_all(buf, send_sizes, [E * b + per_id * sum(c) for b, c in zip(batches, recv_counts)],
                                     self.group, async_op=True)
@@ -354,7 +353,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         total = sum(batches)
         if self.local is None and self.pieces is None:
             return torch.zeros(total, 0, dtype=self._dtype(), device=self.device)
-        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._carries, accumulation(self._dtype())
+        E, W, weighted, acc = len(self.entries[self.rank]), self.world, self._is_weighted, accumulation(self._dtype())
         per_key = [sum(counts[s][e] for s in range(W)) for e in range(E)]
         if W == 1:  # one source: its lengths, ids and weights are each one slice already
             n, at = sum(counts[0]), E * total
@@ -451,8 +450,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         divided by (the whole bag's count, its weights' root sum of squares or sum); 1 elsewhere."""
         F, acc = len(self.feature_names), accumulation(self._dtype())
         lengths = kjt.lengths().long()
-        psw = kjt.weights_or_none() if self._carries else None
+        psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)
+        if psw is None and self._has_rules:  # (the entries TensorFlow's rules dropped, SKIPPED, are not counted)
+            values = kjt.values()
+            lengths = index_sum(F * B, bag_of_value(kjt.offsets().long(), values.numel()), (values != SKIPPED).long())
         if psw is None:
             wsum = lengths.to(acc)
         else:

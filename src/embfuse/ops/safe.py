@@ -9,13 +9,14 @@ is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn)
 touched by the backward (a fused Adam would otherwise move rows TensorFlow never looked up). A
 feature with a default id gets one more entry a bag, after the bag's own: the default id with
 weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has n + B * (features
-with a default) values, a size known on the host, and always carries weights (1 for kept entries
-of unweighted features).
+with a default) values, a size known on the host, and carries weights only if it came with them:
+without, every entry weighs 1 and a SKIPPED one nothing, which the kernels read from the ids
+(written weights made the pooling weighted: 551 against 497 us at D128, benchmarks/NOTES.md
+session 53).
 
 A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
 HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
-each come before its first bag). Features without flags pass through unchanged (weights 1 when
-the batch has none).
+each come before its first bag). Features without flags pass through unchanged.
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def feature_rules(safe: Optional[list], rows: Tensor) -> tuple[Optional[Rules], 
 
 
 def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, B: int,
-                        extra: int, dtype=torch.float32) -> tuple[Tensor, Tensor, Tensor]:
-    """Pure torch (CPU path and test oracle): (values, offsets, weights) after the rules (`rules`:
-    Rules.table), `extra` = B * Rules.defaults default entries placed after their bags' own."""
+                        extra: int, dtype=torch.float32) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Pure torch (CPU path and test oracle): (values, offsets, weights or None without `psw`)
+    after the rules (`rules`: Rules.table), `extra` = B * Rules.defaults default entries placed
+    after their bags' own."""
     dev, n, FB = values.device, values.numel(), offsets.numel() - 1
     B = max(B, 1)
     bag = bag_of_value(offsets, n).clamp(0, max(FB - 1, 0))
@@ -100,14 +102,15 @@ def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     last = torch.where(has_default, new_offsets[1:] - 1, n + extra)
     out_v[last] = torch.where(kept == 0, rules[g // B, DEFAULT_ID], SKIPPED).to(values.dtype)
     out_w[last] = (kept == 0).to(dtype)
-    return out_v[:-1], new_offsets.to(offsets.dtype), out_w[:-1]
+    return out_v[:-1], new_offsets.to(offsets.dtype), None if psw is None else out_w[:-1]
 
 
 @triton.jit
 def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w, n, FB, B, extra,
                       HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
-    """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED with
-    weight 0, then its default entry. A batch its check found bad writes empty bags (offsets 0)."""
+    """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED
+    (with weight 0 under HAS_PSW), then its default entry. A batch its check found bad writes
+    empty bags (offsets 0)."""
     g, real, f = program_bags(FB, B, BAGS)
     start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
     end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
@@ -136,28 +139,31 @@ def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w
         kept += tl.sum(keep.to(tl.int32), axis=1)
         at = p + shift[:, None]
         tl.store(out_v + at, tl.where(keep, v, K_SKIPPED).to(out_v.dtype.element_ty), mask=m)
-        tl.store(out_w + at, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
+        if HAS_PSW:
+            tl.store(out_w + at, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
     last = end + shift  # the default entry's place: right after the bag's own
     tl.store(out_v + last, tl.where(kept == 0, default, K_SKIPPED).to(out_v.dtype.element_ty), mask=real & has_default)
-    tl.store(out_w + last, (kept == 0).to(out_w.dtype.element_ty), mask=real & has_default)
+    if HAS_PSW:
+        tl.store(out_w + last, (kept == 0).to(out_w.dtype.element_ty), mask=real & has_default)
     tl.store(out_off + g, start + shift, mask=g < FB)
     tl.store(out_off + FB + g * 0, n + extra + g * 0, mask=g == FB - 1)
 
 
 def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rules, B: int,
               status: Optional[Tensor] = None, dtype=torch.float32,
-              kernel: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+              kernel: Optional[bool] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The batch (canonical F * B + 1 offsets, checked or trusted) after the rules: (values,
-    offsets, weights in `dtype`). `status`: the batch's deferred check; a bad batch comes out as
-    empty bags. One launch on the GPU, torch ops elsewhere (`kernel` forces either: True runs
-    the kernel interpreted in CPU tests)."""
+    offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
+    a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
+    forces either: True runs the kernel interpreted in CPU tests)."""
     extra = B * rules.defaults
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
     if not kernel:
         return _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
-    if tracing():  # one opaque op in a traced graph
-        return _safe_bags_op(values, offsets, psw, status, rules.table, B, extra, dtype)
+    if tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
+        out_v, out_off, out_w = _safe_bags_op(values, offsets, psw, status, rules.table, B, extra, dtype)
+        return out_v, out_off, None if psw is None else out_w
     return safe_bags_kernel(values, offsets, psw, status, rules.table, B, extra, dtype)
 
 
@@ -172,7 +178,7 @@ def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
     n, FB = values.numel(), offsets.numel() - 1
     out_v = torch.empty(n + extra, dtype=values.dtype, device=values.device)
     out_off = torch.empty_like(offsets)
-    out_w = torch.empty(n + extra, dtype=dtype, device=values.device)
+    out_w = None if psw is None else torch.empty(n + extra, dtype=dtype, device=values.device)
     if FB == 0:
         out_off.fill_(n + extra)  # (no bags: the one offset)
         return out_v, out_off, out_w
@@ -187,12 +193,14 @@ def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
 def _safe_bags_op(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor], rules: Tensor,
                   B: int, extra: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     if use_kernels(values) and dtype != torch.float64:
-        return safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype)
-    return _safe_bags_torch(values, offsets, psw, status, rules, B, extra, dtype)
+        out = safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype)
+    else:
+        out = _safe_bags_torch(values, offsets, psw, status, rules, B, extra, dtype)
+    return out if psw is not None else (*out[:2], torch.empty(0, dtype=dtype, device=values.device))
 
 
 @_safe_bags_op.register_fake
 def _(values, offsets, psw, status, rules, B, extra, dtype):
     n = values.numel()
     return (values.new_empty(n + extra), torch.empty_like(offsets),
-            torch.empty(n + extra, dtype=dtype, device=values.device))
+            torch.empty(0 if psw is None else n + extra, dtype=dtype, device=values.device))
