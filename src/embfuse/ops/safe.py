@@ -11,8 +11,7 @@ feature with a default id gets one more entry a bag, after the bag's own: the de
 weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has n + B * (features
 with a default) values, a size known on the host, and carries weights only if it came with them:
 without, every entry weighs 1 and a SKIPPED one nothing, which the kernels read from the ids
-(written weights made the pooling weighted: 551 against 497 us at D128, benchmarks/NOTES.md
-session 53).
+(written weights would make the pooling weighted, which is slower: benchmarks/NOTES.md, session 53).
 
 A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
 HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
