@@ -4,17 +4,18 @@ collection's forward, default and `off`. Each Triton launch a call makes is reco
 replayed three ways: through `_DirectLauncher` (what embfuse does); through a leaner copy of it
 (the device and stream read by torch's C calls instead of Triton's driver); and Triton's compiled
 launcher alone, everything precomputed (the floor of a launch from Python). Beside them: the
-whole calls, torch's, one aten launch and one torch.empty. Host time a call (no synchronisation
-inside the loop), seven interleaved rounds of 300 calls; min and median.
+whole calls, torch's, one aten launch and one torch.empty. Host time a call (host_default_b2048's
+per_call: no synchronisation inside the loop), seven interleaved rounds of 300 calls; min and
+median.
 
     PYTHONPATH=src python3 benchmarks/host/launch_floor.py
 """
 
 import statistics
-import time
 from itertools import repeat
 
 import torch
+from host_default_b2048 import per_call  # (this folder: the script's own)
 
 import embfuse
 from embfuse import _triton
@@ -71,16 +72,6 @@ def launches(tag: str, call) -> dict:
     return out
 
 
-def host_us(f, n: int = 300) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
 def main() -> None:
     torch.set_grad_enabled(False)
     ids, _ = generate_batch(Workload("one", "bag", 10_000_000, 128, 2048, 64, "powerlaw", 1.05), "cuda")
@@ -109,7 +100,7 @@ def main() -> None:
     res = {k: [] for k in calls}
     for _ in range(7):
         for k, f in calls.items():
-            res[k].append(host_us(f))
+            res[k].append(per_call(f, 300)[0])
     for k, v in res.items():
         print(f"{k:52s} min %6.1f  median %6.1f  us/call" % (min(v), statistics.median(v)), flush=True)
 
