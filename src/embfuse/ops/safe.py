@@ -4,7 +4,7 @@
 entries whose weight is <= 0) and gives every row left without ids its `default_id` with weight
 1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of the
 batch); here nothing moves: an entry TensorFlow drops stays where it is as the id SKIPPED
-(ops/bags.py) with weight 0, which the kernels pass over like padding: no row is read, nothing
+(ops/bags.py; weight 0 in a weighted batch), which the kernels pass over like padding: no row is read, nothing
 is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn), and no row is
 touched by the backward (a fused Adam would otherwise move rows TensorFlow never looked up). A
 feature with a default id gets one more entry a bag, after the bag's own: the default id with
