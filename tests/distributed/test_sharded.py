@@ -400,14 +400,60 @@ def test_a_feature_of_two_tables_is_sharded_as_two_slots():
     run_world(_shared_feature, 2)
 
 
-def _refuses(rank, world):
-    model = ed.shard(EmbeddingBagCollection([EmbeddingBagConfig(10, 4, "a", feature_names=["fa", "fb"])]))
-    vbe = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]),
-                            stride_per_key_per_rank=[[2], [1]], inverse_indices=(["fa", "fb"], torch.zeros(2, 2)))
-    with pytest.raises(ValueError, match="own batch sizes"):
-        model(vbe)
+def vbe_batch(rank, step, weighted):
+    """Rank `rank`'s batch of step `step` whose features have their own batch sizes (TorchRec's
+    VBE: 1-3 + rank bags each), for 3 + rank samples that each take one bag of every feature by
+    the inverse indices; and those samples as `batch` gives a batch of one stride (each sample's
+    bags copied), for the unsharded reference."""
+    g = torch.Generator().manual_seed(2000 * step + rank)
+    B, parts, plain = 3 + rank, [], {}
+    for k in KEYS:
+        n = int(torch.randint(1, 4, (1,), generator=g)) + rank
+        lengths = torch.randint(0, 4, (n,), generator=g)
+        ids = torch.randint(0, FEATURES[k], (int(lengths.sum()),), generator=g)
+        w = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
+        inverse = torch.randint(0, n, (B,), generator=g)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).tolist()
+        at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in inverse.tolist()])
+        plain[k] = (lengths[inverse], ids[at], None if w is None else w[at])
+        parts.append((lengths, ids, w, n, inverse))
+    weights = torch.cat([p[2] for p in parts]) if weighted else None
+    kjt = KeyedJaggedTensor(KEYS, torch.cat([p[1] for p in parts]), weights,
+                            lengths=torch.cat([p[0] for p in parts]), stride_per_key_per_rank=[[p[3]] for p in parts],
+                            inverse_indices=(KEYS, torch.stack([p[4] for p in parts])))
+    return kjt, plain
 
 
-def test_what_cannot_be_sharded_yet_is_refused():
-    """Tables with TensorFlow's combiner, and batches whose features have their own batch sizes."""
-    run_world(_refuses, 1)
+def _vbe(rank, world, device="cpu"):
+    for plan in _plans(["table_wise", "row_wise", "column_wise", "mixed"], world):
+        for opt, weighted in ((SGD(lr=0.1), False), (RowWiseAdagrad(lr=0.1), False), (Adagrad(lr=0.1), True)):
+            torch.manual_seed(5)
+            ebc = EmbeddingBagCollection(tables(weighted=weighted), is_weighted=weighted, optimizer=opt, device=device)
+            ref = copy.deepcopy(ebc)
+            model = ed.shard(ebc, PLANS[plan])
+            tol = dict(dtype=torch.float32, reduction=8 * world)
+            for step in range(2):
+                batches = [vbe_batch(r, step, weighted) for r in range(world)]
+                out = model(batches[rank][0].to(device))
+                full = ref(kjt_of(concat([b[1] for b in batches]), weighted).to(device)).values()
+                start = sum(3 + r for r in range(rank))
+                assert_close(out.values(), full[start:start + 3 + rank], **tol)
+                gw = [grad_weights(3 + r, full.shape[1], step, r).to(device) for r in range(world)]
+                (out.values() * gw[rank]).sum().backward()
+                (full * torch.cat(gw)).sum().backward()
+            state, want = model.full_state_dict(), ref.state_dict()
+            for k in want:
+                assert_close(state[k], want[k], **tol)
+    no_inverse = KeyedJaggedTensor(KEYS, torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(5, dtype=torch.int64),
+                                   stride_per_key_per_rank=[[1]] * 5)
+    with pytest.raises(ValueError, match=r"rank 0's batch: .*needs inverse_indices"):
+        model(no_inverse.to(device))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_batches_whose_features_have_their_own_batch_sizes_match_the_unsharded_collection(world):
+    """TorchRec's VBE: each rank pads its batch to one stride, and its output samples take their
+    pooled rows by the inverse indices; outputs and fused steps as the unsharded collection gives
+    the same samples with their bags copied out. A batch without inverse indices is refused on
+    every rank."""
+    run_world(_vbe, world)

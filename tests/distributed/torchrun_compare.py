@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node=N -m tests.distributed.torchrun_compare`: every plan and optimizer
-against the unsharded collection (tables with TensorFlow's combiners too), a bad batch on the
-last rank, a checkpoint from every rank loaded into one collection, TrainPipeline against the
-plain loop, and the overlap pass (eager stages, and functional collectives under torch.compile)
+against the unsharded collection (tables with TensorFlow's combiners and VBE batches too), a bad
+batch on the last rank, a checkpoint from every rank loaded into one collection, TrainPipeline
+against the plain loop, and the overlap pass (eager stages, and functional collectives under torch.compile)
 against the eager model, on this launch's ranks (NCCL and CUDA tables when there is a GPU, gloo
 and CPU tables otherwise)."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.distributed.test_pipeline import _pipeline_equals_plain_loop
 from tests.fx.test_overlap import _compiled, _overlap
-from tests.distributed.test_sharded import _all_plans, _errors, _save, _tf_plans
+from tests.distributed.test_sharded import _all_plans, _errors, _save, _tf_plans, _vbe
 
 if __name__ == "__main__":
     cuda = torch.cuda.is_available()
@@ -27,6 +27,8 @@ if __name__ == "__main__":
         print(f"rank {dist.get_rank()}: every plan matches the unsharded collection")
         _tf_plans(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: so do tables with TensorFlow's combiners")
+        _vbe(dist.get_rank(), dist.get_world_size(), device)
+        print(f"rank {dist.get_rank()}: and batches whose features have their own batch sizes")
         _errors(dist.get_rank(), dist.get_world_size(), device)
         _errors(dist.get_rank(), dist.get_world_size(), device, tf=True)
         print(f"rank {dist.get_rank()}: a bad batch on rank {dist.get_world_size() - 1} raised here too, "

@@ -90,8 +90,9 @@ class InputDist:
     host) wait for what arrived (lengths, ids and weights of every source, one buffer) and
     returns it."""
 
-    def __init__(self, owner, kjt, B, batches, counts, recv, work):
+    def __init__(self, owner, kjt, B, batches, counts, recv, work, rows=None):
         self.owner, self.kjt, self.B, self.batches, self.counts = owner, kjt, B, batches, counts
+        self.rows = rows  # a VBE batch's output rows (nn/vbe.py one_stride), else None
         self._recv, self._work, self._waited = recv, work, False
 
     def wait(self) -> torch.Tensor:
@@ -109,5 +110,5 @@ class OutputDist:
     """Pooled rows on their way to this rank's samples: `work` is the all-to-all's request,
     `recv` its buffer (not to be read before `work.wait()`)."""
 
-    def __init__(self, kjt, B):
-        self.kjt, self.B, self.recv, self.work = kjt, B, None, None
+    def __init__(self, kjt, B, rows=None):
+        self.kjt, self.B, self.rows, self.recv, self.work = kjt, B, rows, None, None

@@ -96,10 +96,11 @@ class Routing:
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch unpadded, one key a feature, in the collection's feature order (a feature of
         several tables repeated, under its output names)."""
+        if kjt.keys() == self.feature_names and not kjt._padded:  # (a VBE batch made one stride: nn/vbe.py)
+            return kjt
         missing = [f for f in self.sources if f not in kjt.keys()]
-        if missing or kjt.variable_stride_per_key():  # (a ValueError: every rank raises it, see input_dist)
-            raise (KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})") if missing else
-                   ValueError("a batch whose features have their own batch sizes (VBE) cannot be sharded yet"))
+        if missing:  # (a KeyError: every rank raises it, see input_dist)
+            raise KeyError(f"the batch has no feature {missing[0]!r} (its keys: {kjt.keys()})")
         kjt = kjt.unpad() if kjt._padded else kjt  # (the exchange reads its sizes on the host anyway)
         if kjt.keys() != self.sources:
             kjt = kjt.permute([kjt.keys().index(f) for f in self.sources])

@@ -22,7 +22,10 @@ Forward, on every rank, for its own batch of B samples:
    the sample's rank moves column runs into place (assembly.py) or adds row-wise partial sums
    (in a fixed order: deterministic), then divides row-wise mean / sqrtn features by the whole
    bag's norm.
-A world of one runs no collective: everything sent would come back to itself.
+A world of one runs no collective: everything sent would come back to itself. A batch whose
+features have their own batch sizes (TorchRec's VBE) is padded to one stride first and its
+output samples take their pooled rows by its inverse indices at the end, as the unsharded
+collection's (nn/vbe.py).
 
 The backward carries gradients to the shards' owners; their local fused optimizers update in
 place. Every rank must call backward (as with DistributedDataParallel)."""
@@ -43,6 +46,7 @@ from embfuse.distributed.pieces import PieceUpdate
 from embfuse.distributed.planner import ShardingPlan, plan_shards
 from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_weights
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
+from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops import errors
 from embfuse.ops.bags import (POOLINGS, SKIPPED, SUM, accumulation, bag_of_value, divide_reference, index_sum,
                               pool_norm_reference, weight_term)
@@ -138,6 +142,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         # a feature looked up by several tables is one slot a table, named as the collection names
         # its outputs (f"{feature}@{table}"): the shards see those names as their features
         self._sources = [f for f, _ in ebc._slots]
+        self._vbe_ring = PinnedRing()
         self.tables = [dataclasses.replace(t, feature_names=list(names)) for t, names in
                        zip(ebc.tables, ebc._names_by_table)]
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
@@ -252,8 +257,11 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         read; a bad batch anywhere raises here, on every rank), start the one all-to-all of
         lengths, ids and weights, and return without waiting for it."""
         W, H = self.world, self.routing.header_width
-        error, routed = None, None
+        error, routed, rows = None, None, None
         try:
+            if features.variable_stride_per_key():
+                features, rows = one_stride(features, list(zip(self._sources, self.feature_names)), self.feature_names,
+                                            self._vbe_ring)
             header, routed = self.routing.route(features)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
             error = e
@@ -276,7 +284,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         with timed(timer, "input", self.device):
             recv, work = all_to_all(buf, send_sizes, [E * b + per_id * sum(c) for b, c in zip(batches, recv_counts)],
                                     self.group, async_op=True)
-        return InputDist(self, kjt, B, batches, recv_counts, recv, work)
+        return InputDist(self, kjt, B, batches, recv_counts, recv, work, rows)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Start `features`' input exchange now (TrainPipeline calls this for the next batch
@@ -325,7 +333,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         (embfuse.fx's overlap pass puts this inside a compiled region) the all-to-all is a
         functional collective, whose wait Inductor places at the first use; eagerly it is
         torch.distributed's asynchronous one (PooledAllToAll), waited in output_wait."""
-        handle = OutputDist(incoming.kjt, incoming.B)
+        handle = OutputDist(incoming.kjt, incoming.B, incoming.rows)
         if self.world == 1:  # nothing to send: the pooled rows are this rank's output
             handle.recv = pooled.reshape(-1)
             return handle
@@ -345,7 +353,9 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         if sent.work is not None:
             with timed(self.comm_timer, "output", self.device):
                 sent.work.wait()
-        return KeyedTensor(self.feature_names, self._dims, self._assemble(sent.recv, sent.kjt, sent.B))
+        out = self._assemble(sent.recv, sent.kjt, sent.B)
+        return KeyedTensor(self.feature_names, self._dims, out if sent.rows is None else
+                           Expand.apply(out, sent.rows, self._dims))
 
     def _lookup(self, recv: Tensor, batches: list[int], counts: list[list[int]]):
         """The local collection's pooled rows for every source's samples, sources in rank order.
