@@ -4,14 +4,15 @@
 entries whose weight is <= 0) and gives every row left without ids its `default_id` with weight
 1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of the
 batch); here nothing moves: an entry TensorFlow drops stays where it is as the id SKIPPED
-(ops/bags.py; weight 0 in a weighted batch), which the kernels pass over like padding: no row is read, nothing
-is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn), and no row is
-touched by the backward (a fused Adam would otherwise move rows TensorFlow never looked up). A
-feature with a default id gets one more entry a bag, after the bag's own: the default id with
-weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has n + B * (features
-with a default) values, a size known on the host, and carries weights only if it came with them:
-without, every entry weighs 1 and a SKIPPED one nothing, which the kernels read from the ids
-(written weights would make the pooling weighted, which is slower: benchmarks/NOTES.md, session 53).
+(ops/bags.py; weight 0 in a weighted batch), which the kernels pass over like padding: no row is
+read, nothing is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn),
+and no row is touched by the backward (a fused Adam would otherwise move rows TensorFlow never
+looked up). A feature with a default id gets one more entry a bag, after the bag's own: the
+default id with weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has
+n + B * (features with a default) values, a size known on the host, and carries weights only if
+it came with them: without, every entry weighs 1 and a SKIPPED one nothing, which the kernels
+read from the ids (written weights would make the pooling weighted, which is slower:
+benchmarks/NOTES.md, session 53).
 
 A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
 HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
