@@ -400,19 +400,22 @@ def test_a_feature_of_two_tables_is_sharded_as_two_slots():
     run_world(_shared_feature, 2)
 
 
-def vbe_batch(rank, step, weighted):
+def vbe_batch(rank, step, weighted, tf=False):
     """Rank `rank`'s batch of step `step` whose features have their own batch sizes (TorchRec's
     VBE: 1-3 + rank bags each), for 3 + rank samples that each take one bag of every feature by
-    the inverse indices; and those samples as `batch` gives a batch of one stride (each sample's
-    bags copied), for the unsharded reference."""
+    the inverse indices (every bag taken by one sample or more); and those samples as `batch`
+    gives a batch of one stride (each sample's bags copied), for the unsharded reference. `tf`:
+    as `batch`'s."""
     g = torch.Generator().manual_seed(2000 * step + rank)
     B, parts, plain = 3 + rank, [], {}
     for k in KEYS:
         n = int(torch.randint(1, 4, (1,), generator=g)) + rank
         lengths = torch.randint(0, 4, (n,), generator=g)
         ids = torch.randint(0, FEATURES[k], (int(lengths.sum()),), generator=g)
+        if tf and k != "ad":
+            ids = torch.where(torch.rand(ids.shape, generator=g) < 0.35, -1 - ids, ids)
         w = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
-        inverse = torch.randint(0, n, (B,), generator=g)
+        inverse = (torch.arange(B) % n)[torch.randperm(B, generator=g)]
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).tolist()
         at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in inverse.tolist()])
         plain[k] = (lengths[inverse], ids[at], None if w is None else w[at])
@@ -426,14 +429,17 @@ def vbe_batch(rank, step, weighted):
 
 def _vbe(rank, world, device="cpu"):
     for plan in _plans(["table_wise", "row_wise", "column_wise", "mixed"], world):
-        for opt, weighted in ((SGD(lr=0.1), False), (RowWiseAdagrad(lr=0.1), False), (Adagrad(lr=0.1), True)):
+        # (TensorFlow's tables under Adam with weight decay: a padding bag's default id would move its row)
+        for opt, weighted, tf in ((SGD(lr=0.1), False, False), (RowWiseAdagrad(lr=0.1), False, False),
+                                  (Adagrad(lr=0.1), True, False), (Adam(lr=0.05, weight_decay=0.1), False, True)):
             torch.manual_seed(5)
-            ebc = EmbeddingBagCollection(tables(weighted=weighted), is_weighted=weighted, optimizer=opt, device=device)
+            ebc = EmbeddingBagCollection(tables(weighted=weighted, tf=tf), is_weighted=weighted, optimizer=opt,
+                                         device=device)
             ref = copy.deepcopy(ebc)
             model = ed.shard(ebc, PLANS[plan])
             tol = dict(dtype=torch.float32, reduction=8 * world)
             for step in range(2):
-                batches = [vbe_batch(r, step, weighted) for r in range(world)]
+                batches = [vbe_batch(r, step, weighted, tf) for r in range(world)]
                 out = model(batches[rank][0].to(device))
                 full = ref(kjt_of(concat([b[1] for b in batches]), weighted).to(device)).values()
                 start = sum(3 + r for r in range(rank))

@@ -518,6 +518,30 @@ def test_an_unweighted_tensorflow_batch_is_the_weighted_one_with_weights_1(devic
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_vbe_batchs_padding_bags_take_no_default_id(device):
+    """A VBE batch is padded to one stride with empty bags: those must not take a TensorFlow
+    table's default id, which a fused Adam with weight decay would then move (found by the
+    sharded VBE test). A real empty bag still takes it."""
+    ts = [EmbeddingBagConfig(10, 4, "a", feature_names=["fa"], combiner="sum", default_id=7),
+          EmbeddingBagConfig(10, 4, "b", feature_names=["fb"]),
+          EmbeddingBagConfig(10, 4, "c", feature_names=["fc"], combiner="mean", default_id=5)]
+    ebc = EmbeddingBagCollection(ts, device=device, optimizer=Adam(lr=0.1, weight_decay=0.1))
+    before = [w.detach().clone() for w in ebc.table_weights()]
+    # fa: one bag [1, 2]; fb: three; fc: an empty bag and [3]; three samples
+    kjt = KeyedJaggedTensor(["fa", "fb", "fc"], torch.tensor([1, 2, 3, 4, 5, 3]),
+                            lengths=torch.tensor([2, 1, 1, 1, 0, 1]), stride_per_key_per_rank=[[1], [3], [2]],
+                            inverse_indices=(["fa", "fb", "fc"], torch.tensor([[0, 0, 0], [0, 1, 2], [0, 1, 1]])))
+    out = ebc(kjt.to(device)).values()
+    a, c = before[0], before[2]
+    assert_close(out[:, :4], (a[1] + a[2]).expand(3, 4), torch.float32)
+    assert_close(out[:, 8:], torch.stack([c[5], c[3], c[3]]), torch.float32)
+    out.sum().backward()
+    moved = [sorted((w1.detach() != w0).any(1).nonzero().flatten().tolist())
+             for w0, w1 in zip(before, ebc.table_weights())]
+    assert moved == [[1, 2], [3, 4, 5], [3, 5]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tensorflow_tables_refuse_what_tensorflow_refuses(device):
     """An id past its table is an error naming the feature and position, ids < 0 only where the
     table has a combiner; bad configurations are refused at construction."""

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from embfuse.ops import errors
 from embfuse.ops.bags import SKIPPED
-from embfuse.ops.safe import feature_rules, safe_bags
+from embfuse.ops.safe import feature_rules, safe_bags, skip_padding_defaults
 from embfuse.ops.validate import check_index_dtype, collection_status
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
@@ -109,10 +109,11 @@ class Routing:
                                     stride=kjt.stride(), length_per_key=kjt.length_per_key_or_none())
         return kjt
 
-    def route(self, kjt: KeyedJaggedTensor) -> tuple[Tensor, Routed]:
+    def route(self, kjt: KeyedJaggedTensor, strides: Optional[Tensor] = None) -> tuple[Tensor, Routed]:
         """The header to exchange (this batch's status and counts a slot) and the routed batch.
         Bad ids and lengths are clamped where they are read one by one, so that routing a bad
-        batch stays in bounds (it is then never sent)."""
+        batch stays in bounds (it is then never sent). `strides`: a VBE batch padded to one
+        stride, each feature's own batch size (nn/vbe.py one_stride)."""
         kjt = self.features(kjt)
         values, lengths = kjt.values(), kjt.lengths()
         psw = kjt.weights_or_none() if self.is_weighted else None
@@ -138,6 +139,8 @@ class Routing:
         pooled, given_offsets = kjt, offsets
         if self.rules is not None:  # (a bad batch comes out as empty bags; it is never sent)
             values, offsets, psw = safe_bags(values, offsets, psw, self.rules, B, status.view(1), self.weight_dtype)
+            if strides is not None:  # (a VBE batch's padding bags take no default id)
+                values, psw = skip_padding_defaults(values, offsets, psw, self.rules, strides, B)
             lengths = offsets.diff()
             per_key = [c + B * d for c, d in zip(kjt.length_per_key(), self.defaults)]  # (host counts, as below)
             pooled = KeyedJaggedTensor(self.feature_names, values, psw, lengths=lengths, stride=B,

@@ -257,12 +257,12 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         read; a bad batch anywhere raises here, on every rank), start the one all-to-all of
         lengths, ids and weights, and return without waiting for it."""
         W, H = self.world, self.routing.header_width
-        error, routed, rows = None, None, None
+        error, routed, rows, strides = None, None, None, None
         try:
             if features.variable_stride_per_key():
-                features, rows = one_stride(features, list(zip(self._sources, self.feature_names)), self.feature_names,
-                                            self._vbe_ring)
-            header, routed = self.routing.route(features)
+                features, rows, strides = one_stride(features, list(zip(self._sources, self.feature_names)),
+                                                     self.feature_names, self._vbe_ring)
+            header, routed = self.routing.route(features, strides)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # this rank's argument: every rank raises it
             error = e
             header = torch.zeros(W * H, dtype=torch.int64, device=self.device)

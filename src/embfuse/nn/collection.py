@@ -25,7 +25,7 @@ from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_layer_norm, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
-from embfuse.ops.safe import POOLING, safe_bags, safe_rule
+from embfuse.ops.safe import POOLING, safe_bags, safe_rule, skip_padding_defaults
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -399,7 +399,7 @@ class EmbeddingBagCollection(_Collection):
         plan.skips = plan.skips or self._safe_passed
         return plan
 
-    def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True):
+    def _checked(self, features: KeyedJaggedTensor, fresh: bool, trains: bool = True, strides=None):
         """The batch restricted to this collection's features and checked (validate_collection;
         `fresh` as there): (B, plan, values, offsets, weights, check, resident). A lookup that
         `trains` nothing with pin_hot_rows_in_l2 gets the ids to read (hot rows from their copy,
@@ -424,18 +424,20 @@ class EmbeddingBagCollection(_Collection):
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
                                              None if check is None else check.status, accumulation(self.weights))
+            if strides is not None:  # (a VBE batch's padding bags take no default id)
+                values, psw = skip_padding_defaults(values, offsets, psw, plan.rules, strides, B)
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         traced = self._traced(features)
         if traced is not None:
             return traced
-        rows = None
+        rows = strides = None
         if features.variable_stride_per_key():  # TorchRec's variable batch size per feature
-            features, rows = one_stride(features, self._slots, self.embedding_names, self._vbe_ring)
+            features, rows, strides = one_stride(features, self._slots, self.embedding_names, self._vbe_ring)
         fused = self._fused_now()
         trains = fused is not None or needs_op(self.weights)
-        B, plan, values, offsets, psw, check, resident = self._checked(features, trains, trains)
+        B, plan, values, offsets, psw, check, resident = self._checked(features, trains, trains, strides)
         if fused is not None:
             hot = self._hot
             if hot is not None:

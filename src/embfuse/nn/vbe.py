@@ -47,12 +47,12 @@ class PinnedRing:
 
 
 def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list[str], ring: PinnedRing,
-               expand: bool = True) -> tuple[KeyedJaggedTensor, Optional[Tensor]]:
+               expand: bool = True) -> tuple[KeyedJaggedTensor, Optional[Tensor], Tensor]:
     """A batch whose features have their own batch sizes (stride_per_key) as one keyed by the
     output `names` (slots: (feature, output name) in output order) of the largest stride, each
-    feature's bags padded with empty ones; and, to `expand` pooled outputs, the rows of the
-    pooled output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed;
-    else None). Inverse indices made on a device are not checked (KeyedJaggedTensor.validate
+    feature's bags padded with empty ones; to `expand` pooled outputs, the rows of the pooled
+    output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed; else None);
+    and each output's own batch size, on the device (its bags past that are padding). Inverse indices made on a device are not checked (KeyedJaggedTensor.validate
     checks host ones): they are kept inside each feature's samples, so that no read leaves the
     pooled output."""
     inverse = kjt.inverse_indices_or_none()
@@ -78,7 +78,7 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     lengths, rows = pad_variable_batch(kjt.lengths(), None if index is None else index.contiguous(), meta, F, B)
     padded = KeyedJaggedTensor(names, kjt.values(), kjt.weights_or_none(), lengths=lengths, stride=B,
                                length_per_key=kjt.length_per_key())
-    return padded, rows
+    return padded, rows, meta[:F]
 
 
 def _runs(dims: list[int]) -> list[tuple[int, int, int, int]]:

@@ -167,6 +167,27 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     return safe_bags_kernel(values, offsets, psw, status, rules.table, B, extra, dtype)
 
 
+def skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rules, strides: Tensor,
+                          B: int) -> tuple[Tensor, Optional[Tensor]]:
+    """safe_bags' output for a batch whose features have their own batch sizes (`strides`, one a
+    feature, on the device), padded to B bags each (nn/vbe.py one_stride): (values, weights) with
+    the padding bags' default entries SKIPPED (weight 0). TensorFlow looks nothing up for a bag
+    that is not in its batch, and a fused update with weight decay (or Adam's) would otherwise move
+    the default row. Torch ops, no host read."""
+    FB = offsets.numel() - 1
+    if not rules.defaults or FB == 0:
+        return values, psw
+    g = torch.arange(FB, device=values.device)
+    f = g // B
+    padding = ((rules.table[f, FLAGS] & HAS_DEFAULT) != 0) & (g - f * B >= strides[f])
+    n = values.numel()
+    at = torch.where(padding, offsets[1:].long() - 1, n)  # (a bag's default entry is its last; n: none)
+    values = torch.cat([values, values.new_zeros(1)]).index_fill_(0, at, SKIPPED)[:n]
+    if psw is not None:
+        psw = torch.cat([psw, psw.new_zeros(1)]).index_fill_(0, at, 0)[:n]
+    return values, psw
+
+
 def _safe_bags_torch(values, offsets, psw, status, rules, B, extra, dtype):
     if status is not None:  # a bad batch: guarded to ids 0 in one bag (the callers pool nothing of it)
         values, offsets = guard_bags(values, offsets, status)
