@@ -7,7 +7,6 @@ outputs, gradients and state after them must agree. Inductor's caches are off: a
 in them is not compiled again (session 51 of benchmarks/NOTES.md: a fault hidden that way).
 The fused lookups are opaque ops of the graph, so their cases check the graph around them."""
 
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
