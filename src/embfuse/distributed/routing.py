@@ -17,7 +17,7 @@ from torch import Tensor
 
 from embfuse.ops import errors
 from embfuse.ops.bags import SKIPPED
-from embfuse.ops.safe import feature_rules, safe_bags, skip_padding_defaults
+from embfuse.ops.safe import feature_rules, safe_bags
 from embfuse.ops.validate import check_index_dtype, collection_status
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
@@ -138,9 +138,8 @@ class Routing:
         values = values.long()
         pooled, given_offsets = kjt, offsets
         if self.rules is not None:  # (a bad batch comes out as empty bags; it is never sent)
-            values, offsets, psw = safe_bags(values, offsets, psw, self.rules, B, status.view(1), self.weight_dtype)
-            if strides is not None:  # (a VBE batch's padding bags take no default id)
-                values, psw = skip_padding_defaults(values, offsets, psw, self.rules, strides, B)
+            values, offsets, psw = safe_bags(values, offsets, psw, self.rules, B, status.view(1), self.weight_dtype,
+                                             strides=strides)
             lengths = offsets.diff()
             per_key = [c + B * d for c, d in zip(kjt.length_per_key(), self.defaults)]  # (host counts, as below)
             pooled = KeyedJaggedTensor(self.feature_names, values, psw, lengths=lengths, stride=B,

@@ -25,7 +25,7 @@ from embfuse.ops.bags import ROW_START, accumulation, bag_of_value
 from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.collection import Plan, collection_layer_norm, embedding_bag_collection, ranked_rows, table_view
 from embfuse.ops.residency import Residency, ResidencyReport, window
-from embfuse.ops.safe import POOLING, safe_bags, safe_rule, skip_padding_defaults
+from embfuse.ops.safe import POOLING, safe_bags, safe_rule
 from embfuse.ops.embedding import lookup_rows
 from embfuse.ops.segments import table_starts
 from embfuse.ops import tuning
@@ -423,9 +423,8 @@ class EmbeddingBagCollection(_Collection):
             remap=None if resident is None else resident.remap, tail=kjt._padded, narrow=narrow)
         if plan.rules is not None:  # TensorFlow's safe rules: one pass, sizes known on the host
             values, offsets, psw = safe_bags(values, offsets, psw, plan.rules, B,
-                                             None if check is None else check.status, accumulation(self.weights))
-            if strides is not None:  # (a VBE batch's padding bags take no default id)
-                values, psw = skip_padding_defaults(values, offsets, psw, plan.rules, strides, B)
+                                             None if check is None else check.status, accumulation(self.weights),
+                                             strides=strides)
         return B, plan, values, offsets, psw, check, resident
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

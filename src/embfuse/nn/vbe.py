@@ -52,9 +52,9 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     output `names` (slots: (feature, output name) in output order) of the largest stride, each
     feature's bags padded with empty ones; to `expand` pooled outputs, the rows of the pooled
     output each output sample takes, (B, F) (TorchRec's inverse_indices, transposed; else None);
-    and each output's own batch size, on the device (its bags past that are padding). Inverse indices made on a device are not checked (KeyedJaggedTensor.validate
-    checks host ones): they are kept inside each feature's samples, so that no read leaves the
-    pooled output."""
+    and each output's own batch size, on the device (its bags past that are padding). Inverse
+    indices made on a device are not checked (KeyedJaggedTensor.validate checks host ones): they
+    are kept inside each feature's samples, so that no read leaves the pooled output."""
     inverse = kjt.inverse_indices_or_none()
     if expand and inverse is None:
         raise ValueError("a batch whose features have their own batch sizes (stride_per_key "

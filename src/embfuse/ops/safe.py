@@ -150,36 +150,40 @@ def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w
 
 
 def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rules, B: int,
-              status: Optional[Tensor] = None, dtype=torch.float32,
-              kernel: Optional[bool] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+              status: Optional[Tensor] = None, dtype=torch.float32, kernel: Optional[bool] = None,
+              strides: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The batch (canonical F * B + 1 offsets, checked or trusted) after the rules: (values,
     offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
     a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
-    forces either: True runs the kernel interpreted in CPU tests)."""
+    forces either: True runs the kernel interpreted in CPU tests). `strides`: a batch whose
+    features have their own batch sizes (one a feature, on the device), padded to B bags each
+    (nn/vbe.py one_stride), whose padding bags then take no default id (_skip_padding_defaults)."""
     extra = B * rules.defaults
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
     if not kernel:
-        return _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
-    if tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
+        out_v, out_off, out_w = _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
+    elif tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
         out_v, out_off, out_w = _safe_bags_op(values, offsets, psw, status, rules.table, B, extra, dtype)
-        return out_v, out_off, None if psw is None else out_w
-    return safe_bags_kernel(values, offsets, psw, status, rules.table, B, extra, dtype)
+        out_w = None if psw is None else out_w
+    else:
+        out_v, out_off, out_w = safe_bags_kernel(values, offsets, psw, status, rules.table, B, extra, dtype)
+    if strides is not None and rules.defaults:
+        out_v, out_w = _skip_padding_defaults(out_v, out_off, out_w, rules.table, strides, B)
+    return out_v, out_off, out_w
 
 
-def skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rules, strides: Tensor,
-                          B: int) -> tuple[Tensor, Optional[Tensor]]:
-    """safe_bags' output for a batch whose features have their own batch sizes (`strides`, one a
-    feature, on the device), padded to B bags each (nn/vbe.py one_stride): (values, weights) with
-    the padding bags' default entries SKIPPED (weight 0). TensorFlow looks nothing up for a bag
-    that is not in its batch, and a fused update with weight decay (or Adam's) would otherwise move
-    the default row. Torch ops, no host read."""
+def _skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, strides: Tensor,
+                           B: int) -> tuple[Tensor, Optional[Tensor]]:
+    """(values, weights) with the padding bags' default entries SKIPPED (weight 0): TensorFlow
+    looks nothing up for a bag that is not in its batch, and a fused update with weight decay (or
+    Adam's) would otherwise move the default row. Torch ops, no host read."""
     FB = offsets.numel() - 1
-    if not rules.defaults or FB == 0:
+    if FB == 0:
         return values, psw
     g = torch.arange(FB, device=values.device)
     f = g // B
-    padding = ((rules.table[f, FLAGS] & HAS_DEFAULT) != 0) & (g - f * B >= strides[f])
+    padding = ((rules[f, FLAGS] & HAS_DEFAULT) != 0) & (g - f * B >= strides[f])
     n = values.numel()
     at = torch.where(padding, offsets[1:].long() - 1, n)  # (a bag's default entry is its last; n: none)
     values = torch.cat([values, values.new_zeros(1)]).index_fill_(0, at, SKIPPED)[:n]
