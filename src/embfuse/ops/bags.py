@@ -48,6 +48,7 @@ META_COLUMNS = 7
 K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN, K_SKIPPED = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN, SKIPPED)
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 K_UNROLL_COLUMNS, K_UNROLL_STEPS = constexprs(*tuning.WEIGHTED_UNROLL)
+K_COUNT_BLOCK = constexprs(tuning.PADDING_COUNT_BLOCK)[0]
 
 
 def _single_meta(rows: int, dim: int, mode: int, device) -> Tensor:
@@ -215,13 +216,16 @@ def bag_scale(pool, count, wsum):
 
 
 @triton.jit
-def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx, square,
+def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx, square, counted,
              MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, WSUM: tl.constexpr,
              BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
     """Pool rows ids[start:end] of `weight` over columns `cols`: (fp32 sum, or max under MAX;
     the ids that gave the max; pooled ids; their weight terms' sum when WSUM and weighted (w * w where
     `square`, else w), else
-    the count)."""
+    the count). Under HAS_PADDING the pooled ids are counted only where `counted` (the caller
+    reads the count or its sum): a second, short pass over the ids, after the pooling loop (a
+    count carried through that loop kept the compiler from unrolling it: benchmarks/NOTES.md,
+    session 53); otherwise the count is end - start."""
     lane = tl.arange(0, BLOCK_L)
     # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
     # reduction per step would cross warps (shared memory + barrier) and stall the gathers
@@ -235,7 +239,6 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         first_id = tl.full([BLOCK_L], -1, dtype=tl.int64)
     else:
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    count = tl.zeros([BLOCK_L], dtype=tl.int32)
     wsum = tl.zeros([BLOCK_L], dtype=tl.float32)
     # weighted bags of narrow tiles unrolled (tuning.WEIGHTED_UNROLL)
     for s in tl.range(start, end, BLOCK_L,
@@ -267,8 +270,6 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
             best_id = tl.where(better, ids[:, None], best_id)
         else:
             acc += rows
-        if HAS_PADDING:
-            count += lmask.to(tl.int32)
     if MODE == K_MAX:
         top = tl.max(acc, axis=0)
         # among lanes holding the max, the earliest position wins
@@ -287,7 +288,13 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         result = tl.sum(acc, axis=0)
     n = end - start
     if HAS_PADDING:
-        n = tl.sum(count, axis=0).to(tl.int64)
+        if counted:
+            count = tl.zeros([K_COUNT_BLOCK], dtype=tl.int32)
+            for s in range(start, end, K_COUNT_BLOCK):
+                pos = s + tl.arange(0, K_COUNT_BLOCK)
+                ids = tl.load(indices + pos, mask=pos < end, other=padding_idx)
+                count += (ids != padding_idx).to(tl.int32)
+            n = tl.sum(count, axis=0).to(tl.int64)
     ws = n.to(tl.float32)
     if HAS_PSW and WSUM:
         ws = tl.sum(wsum, axis=0)

@@ -159,7 +159,7 @@ def _collection_fwd_kernel(
         else:
             cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
         result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED, pool == K_SQRTN,
-                                          0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
+                                          pool != K_SUM, 0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:

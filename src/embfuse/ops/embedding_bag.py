@@ -94,7 +94,7 @@ def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_id
     if STATUS:
         end = tl.where(ok, end, start)
     result, best, count, wsum = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-                                         MODE == K_SQRTN, MODE, HAS_PSW, HAS_PADDING,
+                                         MODE == K_SQRTN, MODE != K_SUM and MODE != K_MAX, MODE, HAS_PSW, HAS_PADDING,
                                          (MODE == K_SQRTN) or (MODE == K_WMEAN), BLOCK_L, BLOCK_D, EVICT)
     if MODE != K_SUM and MODE != K_MAX:
         result = divide(result, pool_norm(MODE, count, wsum))

@@ -34,6 +34,9 @@ _bag_shape_cached = functools.lru_cache(maxsize=256)(bag_shape)
 # ptxas unrolls the unweighted loop by itself, not the weighted one; at 128 columns the unroll
 # lost on checked collections (NOTES: "weighted loop unroll")
 WEIGHTED_UNROLL = (64, 4)
+# bags with padding (or TensorFlow's skipped ids) count their pooled ids after the pooling loop,
+# this many ids at a time (a bag's ids, just read, are in cache; NOTES: "padding count")
+PADDING_COUNT_BLOCK = 32
 
 
 class Spread(NamedTuple):
