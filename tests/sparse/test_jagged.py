@@ -1,3 +1,5 @@
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -212,13 +214,20 @@ def test_torchrecs_accessors_that_do_not_compute():
     assert kjt.to_dict()["b"].offsets_or_none() is not None
 
 
-@pytest.mark.gpu
 def test_record_stream_reaches_every_tensor():
-    kjt = KeyedJaggedTensor(["a"], torch.arange(3), torch.rand(3), lengths=torch.tensor([1, 2])).to("cuda")
+    """TrainPipeline reads batches on other streams than the copy's: every tensor of a batch,
+    a VBE batch's inverse indices too, is recorded (one missed could be reused by the next
+    copy while a kernel still reads it)."""
+    inverse = torch.tensor([[0, 1, 0]])
+    kjt = KeyedJaggedTensor(["a"], torch.arange(3), torch.rand(3), lengths=torch.tensor([1, 2]),
+                            stride_per_key_per_rank=[[2]], inverse_indices=(["a"], inverse))
     kjt.offsets()
-    side = torch.cuda.Stream()
-    kjt.record_stream(side)  # (no error: each part is a CUDA tensor the allocator now ties to `side`)
-    assert kjt.size_in_bytes() == 3 * 8 + 3 * 4 + 2 * 8 + 3 * 8
+    calls = []
+    with mock.patch.object(torch.Tensor, "record_stream", lambda t, stream: calls.append((id(t), stream))):
+        kjt.record_stream("side")
+    parts = (kjt.values(), kjt.weights(), kjt.lengths(), kjt.offsets(), inverse)
+    assert sorted(calls) == sorted((id(t), "side") for t in parts)
+    assert kjt.size_in_bytes() == 3 * 8 + 3 * 4 + 2 * 8 + 3 * 8  # the batch's own data: not the inverse indices
 
 
 def test_padded_dense_views_of_a_jagged_tensor():

@@ -118,9 +118,10 @@ class _Jagged(metaclass=Traceable):
         return sum(t.numel() * t.element_size() for t in self._parts())
 
     def record_stream(self, stream) -> None:
-        """Tell the caching allocator that `stream` uses every tensor of this batch (see
-        torch.Tensor.record_stream): for batches made on one CUDA stream and read on another."""
-        for t in self._parts():
+        """Tell the caching allocator that `stream` uses every tensor of this batch, a VBE batch's
+        inverse indices too (see torch.Tensor.record_stream): for batches read on another stream."""
+        inverse = getattr(self, "_inverse_indices", None)
+        for t in self._parts() + ([] if inverse is None else [inverse[1]]):
             t.record_stream(stream)
 
 
@@ -373,12 +374,11 @@ class KeyedJaggedTensor(_Jagged):
         if any(weighted) and not all(weighted):
             raise ValueError("either every JaggedTensor has weights or none has")
         samples = [jt.lengths().numel() for jt in jts]
-        return KeyedJaggedTensor(
-            list(jt_dict), torch.cat([jt.values() for jt in jts]),
-            torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-            length_per_key=[jt.values().shape[0] for jt in jts],
-            stride_per_key_per_rank=[[b] for b in samples] if len(set(samples)) > 1 else None)
+        return KeyedJaggedTensor(list(jt_dict), torch.cat([jt.values() for jt in jts]),
+                                 torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+                                 lengths=torch.cat([jt.lengths() for jt in jts]),
+                                 length_per_key=[jt.values().shape[0] for jt in jts],
+                                 stride_per_key_per_rank=[[b] for b in samples] if len(set(samples)) > 1 else None)
 
     # --- slicing by key ---
     def _key_slices(self):
