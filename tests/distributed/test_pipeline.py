@@ -2,13 +2,17 @@
 dense weights and optimizer state, bitwise (gloo, 2 ranks; NCCL with one GPU on the GPU)."""
 
 
+from types import SimpleNamespace
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 
 import embfuse.distributed as ed
 from embfuse import EmbeddingBagCollection, KeyedJaggedTensor
+from embfuse.distributed.comm import InputDist
 from embfuse.optim import Adagrad
-from tests.distributed.test_sharded import KEYS, PLANS, batch, kjt_of, tables
+from tests.distributed.test_sharded import KEYS, PLANS, batch, kjt_of, tables, vbe_batch
 from tests.distributed.twins import assert_trained_alike, dense, twins
 from tests.distributed.worlds import run_world
 
@@ -24,20 +28,21 @@ class Model(torch.nn.Module):
         return F.binary_cross_entropy_with_logits(logit, b["label"]), logit.detach()
 
 
-def batches(rank, n, weighted=False):
+def batches(rank, n, weighted=False, vbe=False):
+    """`vbe`: batches whose features have their own batch sizes (TorchRec's VBE), 3 + rank samples."""
     out = []
     for step in range(n):
-        kjt = kjt_of(batch(rank, step, weighted), weighted)
+        kjt = vbe_batch(rank, step, weighted)[0] if vbe else kjt_of(batch(rank, step, weighted), weighted)
         g = torch.Generator().manual_seed(step * 10 + rank)
-        B = kjt.stride()
+        B = kjt.inverse_indices()[1].shape[1] if vbe else kjt.stride()
         out.append({"dense": torch.randn(B, 3, generator=g), "sparse_features": kjt,
                     "label": torch.randint(0, 2, (B,), generator=g).float()})
     return out
 
 
-def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced", bad_step=None):
+def _pipeline_equals_plain_loop(rank, world, device="cpu", plan="mixed_unplaced", vbe=False):
     plain, piped = twins(Model, plan, device)
-    data = batches(rank, 5)
+    data = batches(rank, 5, vbe=vbe)
     opt = torch.optim.Adam(dense(plain), lr=0.01)
     losses = []
     for b in data:
@@ -74,6 +79,12 @@ def test_the_pipeline_trains_as_the_plain_loop_bitwise():
     run_world(_pipeline_equals_plain_loop, 2)
 
 
+def test_the_pipeline_trains_batches_whose_features_have_their_own_batch_sizes_as_the_plain_loop():
+    """VBE batches: the prefetched exchange carries each batch's padding and inverse indices to
+    its own step's output (a batch's rows expanded by another's would change the losses)."""
+    run_world(_pipeline_equals_plain_loop, 2, "cpu", "mixed", True)
+
+
 def _bad_batch_in_the_pipeline(rank, world):
     torch.manual_seed(1)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables())
@@ -100,3 +111,19 @@ def _bad_batch_in_the_pipeline(rank, world):
 
 def test_a_bad_batch_in_the_pipeline_raises_at_its_own_step_on_every_rank():
     run_world(_bad_batch_in_the_pipeline, 2)
+
+
+def test_what_the_exchange_made_on_its_stream_is_recorded_to_the_stream_that_reads_it():
+    """TrainPipeline runs a batch's input exchange on its own stream and the lookup on the
+    current one: what the exchange made there (the ids that arrived; a VBE batch's output rows,
+    which the backward reads) is recorded to the reading stream, or its memory could go to the
+    next batch's exchange while the backward still reads it."""
+    owner = SimpleNamespace(device=torch.device("cuda", 0), comm_timer=None)
+    recv, rows = torch.arange(4), torch.tensor([[0], [0]])
+    calls = []
+    with mock.patch.object(torch.Tensor, "record_stream", lambda t, stream: calls.append((id(t), stream))), \
+            mock.patch.object(torch.cuda, "current_stream", lambda device: ("current", device)):
+        assert InputDist(owner, None, 2, [2], [[1]], recv, None, rows).wait() is recv
+        assert InputDist(owner, None, 2, [2], [[1]], recv, None).wait() is recv
+    current = ("current", owner.device)
+    assert calls == [(id(recv), current), (id(rows), current), (id(recv), current)]

@@ -38,6 +38,9 @@ if __name__ == "__main__":
         print(f"rank {dist.get_rank()}: full_state_dict loads into one unsharded collection, bitwise")
         _pipeline_equals_plain_loop(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: TrainPipeline trains as the plain loop, bitwise")
+        _pipeline_equals_plain_loop(dist.get_rank(), dist.get_world_size(), device,
+                                    "mixed" if dist.get_world_size() > 1 else "mixed_unplaced", True)
+        print(f"rank {dist.get_rank()}: and so on batches whose features have their own batch sizes")
         _overlap(dist.get_rank(), dist.get_world_size(), device)
         print(f"rank {dist.get_rank()}: the overlap pass's graph trains as the eager model, bitwise")
         _compiled(dist.get_rank(), dist.get_world_size(), "functional", device)

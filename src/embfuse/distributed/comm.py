@@ -102,7 +102,8 @@ class InputDist:
                     self._work.wait()
             self._waited, self._work = True, None
             if self.owner.device.type == "cuda":  # made on the distribution stream, used on this one
-                self._recv.record_stream(torch.cuda.current_stream(self.owner.device))
+                for t in (self._recv, self.rows) if self.rows is not None else (self._recv,):
+                    t.record_stream(torch.cuda.current_stream(self.owner.device))
         return self._recv
 
 
