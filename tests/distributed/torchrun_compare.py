@@ -42,7 +42,8 @@ if __name__ == "__main__":
                                     "mixed" if dist.get_world_size() > 1 else "mixed_unplaced", True)
         print(f"rank {dist.get_rank()}: and so on batches whose features have their own batch sizes")
         _overlap(dist.get_rank(), dist.get_world_size(), device)
-        print(f"rank {dist.get_rank()}: the overlap pass's graph trains as the eager model, bitwise")
+        _overlap(dist.get_rank(), dist.get_world_size(), device, True)
+        print(f"rank {dist.get_rank()}: the overlap pass's graph trains as the eager model, bitwise (VBE batches too)")
         _compiled(dist.get_rank(), dist.get_world_size(), "functional", device)
         print(f"rank {dist.get_rank()}: the functional overlap trains under torch.compile as the eager model")
     finally:

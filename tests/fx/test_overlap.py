@@ -30,7 +30,7 @@ class SparseFirst(torch.nn.Module):
         return F.binary_cross_entropy_with_logits(logit, b["label"])
 
 
-def _overlap(rank, world, device="cpu"):
+def _overlap(rank, world, device="cpu", vbe=False):
     eager, other = twins(SparseFirst, device=device)
     gm = overlap_collectives(other)
     nodes = list(gm.graph.nodes)
@@ -40,7 +40,7 @@ def _overlap(rank, world, device="cpu"):
     assert send == middle + 1 and min(mlp) < middle < max(mlp), [n.format_node() for n in nodes]
     assert not any(n.op == "call_module" and n.target == "sparse" for n in nodes)
     opts = [torch.optim.SGD(dense(m), lr=0.1) for m in (eager, gm)]
-    for b in batches(rank, 3):
+    for b in batches(rank, 3, vbe=vbe):
         b = {k: v.to(device) for k, v in b.items()}
         losses = []
         for m, opt in zip((eager, gm), opts):
@@ -53,11 +53,14 @@ def _overlap(rank, world, device="cpu"):
     assert_trained_alike(eager, gm)
 
 
-def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_result():
-    run_world(_overlap, 2)
+@pytest.mark.parametrize("vbe", [False, True])
+def test_the_overlap_pass_moves_requests_early_and_waits_late_and_changes_no_result(vbe):
+    """`vbe`: batches whose features have their own batch sizes (their output rows travel from
+    the request to the wait)."""
+    run_world(_overlap, 2, "cpu", vbe)
 
 
-def _compiled(rank, world, overlap, device="cpu"):
+def _compiled(rank, world, overlap, device="cpu", vbe=False):
     from torch._inductor.compile_fx import compile_fx
 
     eager, other = twins(SparseFirst, device=device)
@@ -72,7 +75,7 @@ def _compiled(rank, world, overlap, device="cpu"):
     model = overlap_collectives(other, functional=overlap == "functional") if overlap else other
     compiled = torch.compile(model, backend=inductor)
     graphs = []
-    for b in batches(rank, 3):
+    for b in batches(rank, 3, vbe=vbe):
         b = {k: v.to(device) for k, v in b.items()}
         losses = [m(b) for m in (eager, compiled)]
         for loss in losses:
@@ -91,6 +94,6 @@ def _compiled(rank, world, overlap, device="cpu"):
         assert not functional
 
 
-@pytest.mark.parametrize("overlap", [False, True, "functional"])
-def test_a_model_with_a_sharded_collection_trains_under_torch_compile(overlap):
-    run_world(_compiled, 2, overlap)
+@pytest.mark.parametrize("overlap,vbe", [(False, False), (True, False), ("functional", False), ("functional", True)])
+def test_a_model_with_a_sharded_collection_trains_under_torch_compile(overlap, vbe):
+    run_world(_compiled, 2, overlap, "cpu", vbe)
