@@ -48,8 +48,8 @@ from embfuse.distributed.routing import BATCH, COUNTS, STATUS, Routing, unpack_w
 from embfuse.nn.collection import EmbeddingBagCollection, EmbeddingBagConfig, pooling_name, table_dtype
 from embfuse.nn.vbe import Expand, PinnedRing, one_stride
 from embfuse.ops import errors
-from embfuse.ops.bags import (POOLINGS, SKIPPED, SUM, accumulation, bag_of_value, divide_reference, index_sum,
-                              pool_norm_reference, weight_term)
+from embfuse.ops.bags import (POOLINGS, SUM, accumulation, bag_of_value, divide_reference, index_sum,
+                              pool_norm_reference, pooled_values, weight_term)
 from embfuse.ops.safe import POOLING
 from embfuse.ops.validate import validate_collection
 from embfuse.sparse.jagged import KeyedJaggedTensor
@@ -463,8 +463,8 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)
         if psw is None and self._has_rules:  # (the entries TensorFlow's rules dropped, SKIPPED, are not counted)
-            values = kjt.values()
-            lengths = index_sum(F * B, bag_of_value(kjt.offsets().long(), values.numel()), (values != SKIPPED).long())
+            keep, bag = pooled_values(kjt.values(), kjt.offsets().long())
+            lengths = index_sum(F * B, bag, keep.long())
         if psw is None:
             wsum = lengths.to(acc)
         else:
