@@ -1,6 +1,8 @@
 """TensorFlow's safe rules over a keyed batch (ops/safe.py): the kernel (interpreted in CI)
 against the torch reference, and the reference against the rules written out bag by bag."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -11,15 +13,15 @@ from tests.conftest import KERNEL_DEVICE, requires_kernels
 FEATURES = [(False, False, None), (True, True, 2), (True, False, None), (True, False, 0), (True, True, None)]
 
 
-def batch(B, device, weighted, max_len=5, index_dtype=torch.int64):
-    F = len(FEATURES)
+def batch(B, device, weighted, max_len=5, index_dtype=torch.int64, features=FEATURES):
+    F = len(features)
     lengths = torch.randint(0, max_len + 1, (F * B,))
     lengths[1] = 0  # an empty bag of the plain feature
     lengths[B] = 0  # and of one with a default
     n = int(lengths.sum())
     feats = torch.arange(F).repeat_interleave(B).repeat_interleave(lengths)
     values = torch.randint(0, 7, (n,))
-    drops = torch.tensor([d for d, _, _ in FEATURES])[feats]
+    drops = torch.tensor([d for d, _, _ in features])[feats]
     values = torch.where(drops & (torch.rand(n) < 0.3), -torch.randint(1, 4, (n,)), values)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     psw = None
@@ -111,3 +113,25 @@ def test_opcheck_and_compile(weighted):
                           (values, offsets, psw, status, rules.table, B, B * rules.defaults, torch.float32))
     compiled = torch.compile(lambda v, o, w: safe_bags(v, o, w, rules, B, kernel=True), fullgraph=True)
     assert_same(compiled(values, offsets, psw), safe_bags(values, offsets, psw, rules, B, kernel=False))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("good", [True, False])
+def test_rules_that_only_drop_negative_ids_take_elementwise_ops_not_the_pass(weighted, good):
+    """TensorFlow's sum (and an unweighted mean or sqrtn) without a default id drops ids < 0 and
+    nothing else: no entry moves, so each id alone decides; the pass over bags is not run."""
+    B = 5
+    features = [(False, False, None), (True, False, None), (True, False, None)]
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=40, features=features)
+    rules = safe_rules(features, KERNEL_DEVICE)
+    status = torch.tensor([0 if good else 2, 0], dtype=torch.int32, device=KERNEL_DEVICE)
+    with mock.patch("embfuse.ops.safe.safe_bags_kernel", side_effect=AssertionError("the pass ran")), \
+            mock.patch("embfuse.ops.safe._safe_bags_torch", side_effect=AssertionError("the pass ran")):
+        got = safe_bags(values, offsets, psw, rules, B, status=status, kernel=True)
+    if good:
+        want = safe_bags_reference(values, offsets, psw, rules.table, B, 0)
+        assert_same(got, (want[0], want[1].to(offsets.dtype), want[2]))
+    else:  # within bounds, the sizes of a good batch
+        v, o, w = got
+        assert v.numel() == values.numel() and bool((v >= -1).all()) and int(o[-1]) == values.numel()
+        assert bool((o >= 0).all()) and bool((o <= values.numel()).all())

@@ -48,11 +48,13 @@ def safe_rule(combiner: str, weighted: bool, default_id: Optional[int]) -> tuple
 
 
 class Rules(NamedTuple):
-    """Every feature's rule: `table` (F, 3) on the device; `defaults`, how many features have a
-    default id (on the host: a batch of B samples gains B * defaults entries)."""
+    """Every feature's rule: `table` (F, 3) on the device; on the host, `defaults`, how many
+    features have a default id (a batch of B samples gains B * defaults entries), and whether
+    any feature drops weights <= 0."""
 
     table: Tensor
     defaults: int
+    drops_weights: bool = False
 
 
 def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rules:
@@ -62,7 +64,8 @@ def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rule
         flags = DROP_NEGATIVE * drop_negative + DROP_WEIGHTS * drop_weights + HAS_DEFAULT * (default is not None)
         rows.append([flags, 0 if default is None else default, before])
         before += default is not None
-    return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, RULE_COLUMNS), before)
+    return Rules(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, RULE_COLUMNS), before,
+                 any(drop_weights for _, drop_weights, _ in features))
 
 
 def feature_rules(safe: Optional[list], rows: Tensor) -> tuple[Optional[Rules], Tensor]:
@@ -155,10 +158,13 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     """The batch (canonical F * B + 1 offsets, checked or trusted) after the rules: (values,
     offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
     a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
-    forces either: True runs the kernel interpreted in CPU tests). `strides`: a batch whose
+    forces either: True runs the kernel interpreted in CPU tests); rules that only drop ids < 0
+    take two elementwise ops instead, anywhere (_drop_negative_ids). `strides`: a batch whose
     features have their own batch sizes (one a feature, on the device), padded to B bags each
     (nn/vbe.py one_stride), whose padding bags then take no default id (_skip_padding_defaults)."""
     extra = B * rules.defaults
+    if not rules.defaults and not rules.drops_weights:
+        return _drop_negative_ids(values, offsets, psw, status, dtype)
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
     if not kernel:
@@ -171,6 +177,18 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     if strides is not None and rules.defaults:
         out_v, out_w = _skip_padding_defaults(out_v, out_off, out_w, rules.table, strides, B)
     return out_v, out_off, out_w
+
+
+def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor],
+                       dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so two
+    elementwise ops (one without weights) instead of the pass over bags, on any device. Ids < 0
+    of features without the rule (which the check refuses) come out SKIPPED too. A bad batch:
+    guard_bags's, within bounds."""
+    if status is not None:
+        values, offsets = guard_bags(values, offsets, status)
+    out_w = None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
+    return values.clamp(min=SKIPPED), offsets, out_w
 
 
 def _skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, strides: Tensor,
