@@ -54,7 +54,7 @@ class Rules(NamedTuple):
 
     table: Tensor
     defaults: int
-    drops_weights: bool = False
+    drops_weights: bool
 
 
 def safe_rules(features: list[tuple[bool, bool, Optional[int]]], device) -> Rules:
