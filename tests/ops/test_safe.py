@@ -124,6 +124,8 @@ def test_rules_that_only_drop_negative_ids_take_elementwise_ops_not_the_pass(wei
     features = [(False, False, None), (True, False, None), (True, False, None)]
     values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=40, features=features)
     rules = safe_rules(features, KERNEL_DEVICE)
+    if not good:
+        values[-1] = 10**12  # the id the check found out of range
     status = torch.tensor([0 if good else 2, 0], dtype=torch.int32, device=KERNEL_DEVICE)
     with mock.patch("embfuse.ops.safe.safe_bags_kernel", side_effect=AssertionError("the pass ran")), \
             mock.patch("embfuse.ops.safe._safe_bags_torch", side_effect=AssertionError("the pass ran")):
@@ -131,7 +133,7 @@ def test_rules_that_only_drop_negative_ids_take_elementwise_ops_not_the_pass(wei
     if good:
         want = safe_bags_reference(values, offsets, psw, rules.table, B, 0)
         assert_same(got, (want[0], want[1].to(offsets.dtype), want[2]))
-    else:  # within bounds, the sizes of a good batch
+    else:  # within bounds (every id in the table or SKIPPED), the sizes of a good batch
         v, o, w = got
-        assert v.numel() == values.numel() and bool((v >= -1).all()) and int(o[-1]) == values.numel()
+        assert v.numel() == values.numel() and bool(((v >= -1) & (v < 7)).all()) and int(o[-1]) == values.numel()
         assert bool((o >= 0).all()) and bool((o <= values.numel()).all())

@@ -431,5 +431,11 @@ def guard_bags(values: Tensor, offsets: Tensor, status: Tensor) -> tuple[Tensor,
     (a deferred check's) says the batch is bad, every value 0 in the first bag (in range whatever
     the tables); the caller zeroes what they give. Elementwise ops, no host read (so they trace)."""
     good = status[0] == 0
-    safe = torch.cat([offsets[:1] * 0, torch.full_like(offsets[1:], values.numel())])
-    return torch.where(good, values, 0), torch.where(good, offsets, safe)
+    return torch.where(good, values, 0), guard_offsets(offsets, values.numel(), good)
+
+
+def guard_offsets(offsets: Tensor, n: int, good: Tensor) -> Tensor:
+    """guard_bags's offsets: `offsets` where `good`, else every one of the `n` values in the first
+    bag."""
+    safe = torch.cat([offsets[:1] * 0, torch.full_like(offsets[1:], n)])
+    return torch.where(good, offsets, safe)

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags, index_sum, program_bags
+from embfuse.ops.bags import (K_SKIPPED, SKIPPED, bag_of_value, guard_bags, guard_offsets, index_sum,
+                              program_bags)
 from embfuse.ops import tuning
 
 DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
@@ -184,11 +185,16 @@ def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], s
     """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so two
     elementwise ops (one without weights) instead of the pass over bags, on any device. Ids < 0
     of features without the rule (which the check refuses) come out SKIPPED too. A bad batch:
-    guard_bags's, within bounds."""
+    every id SKIPPED, by the same clamp (its upper bound set by the check), and guard_offsets's
+    offsets, within bounds."""
+    top = torch.iinfo(values.dtype).max
     if status is not None:
-        values, offsets = guard_bags(values, offsets, status)
+        good = status[0] == 0
+        top = torch.where(good, top, SKIPPED)
+        offsets = guard_offsets(offsets, values.numel(), good)
+    values = values.clamp(SKIPPED, top)
     out_w = None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
-    return values.clamp(min=SKIPPED), offsets, out_w
+    return values, offsets, out_w
 
 
 def _skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, strides: Tensor,
