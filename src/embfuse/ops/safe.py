@@ -231,10 +231,11 @@ def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
     if FB == 0:
         out_off.fill_(n + extra)  # (no bags: the one offset)
         return out_v, out_off, out_w
-    launch(_safe_bags_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
+    bags, block = tuning.SAFE_PASS_SHAPE
+    launch(_safe_bags_kernel)[(cdiv(FB, bags),)](
         values, offsets, psw, status, rules, out_v,
         out_off, out_w, n, FB, max(B, 1), extra, HAS_PSW=psw is not None, STATUS=status is not None,
-        BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+        BAGS=bags, BLOCK=block)
     return out_v, out_off, out_w
 
 
