@@ -80,7 +80,7 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
     return _bag_shape_cached(D, avg, None, spread)
 
 
-# a program of the per-bag passes (backward inputs, the collection check, the hot split) takes
+# a program of the per-bag passes (backward inputs, the hot split) takes
 # this many bags side by side, this many values of each at a time: one bag a program spent most
 # of its time waiting on the offsets (NOTES: "bags a program")
 BAGS_PER_PROGRAM = 8
