@@ -137,3 +137,14 @@ def test_rules_that_only_drop_negative_ids_take_elementwise_ops_not_the_pass(wei
         v, o, w = got
         assert v.numel() == values.numel() and bool(((v >= -1) & (v < 7)).all()) and int(o[-1]) == values.numel()
         assert bool((o >= 0).all()) and bool((o <= values.numel()).all())
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_the_elementwise_path_compiles(good):
+    """The clamp whose upper bound the check sets traces under torch.compile(fullgraph=True)."""
+    features = [(True, False, None)] * 2
+    values, offsets, psw = batch(4, KERNEL_DEVICE, False, features=features)
+    rules = safe_rules(features, KERNEL_DEVICE)
+    status = torch.tensor([0 if good else 2, 0], dtype=torch.int32, device=KERNEL_DEVICE)
+    compiled = torch.compile(lambda v, o, s: safe_bags(v, o, None, rules, 4, status=s), fullgraph=True)
+    assert_same(compiled(values, offsets, status), safe_bags(values, offsets, None, rules, 4, status=status))

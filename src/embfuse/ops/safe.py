@@ -187,12 +187,13 @@ def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], s
     of features without the rule (which the check refuses) come out SKIPPED too. A bad batch:
     every id SKIPPED, by the same clamp (its upper bound set by the check), and guard_offsets's
     offsets, within bounds."""
-    top = torch.iinfo(values.dtype).max
-    if status is not None:
+    if status is None:
+        values = values.clamp(min=SKIPPED)
+    else:  # (both bounds tensors: dynamo cannot trace a clamp with one scalar and one tensor)
         good = status[0] == 0
-        top = torch.where(good, top, SKIPPED)
+        top = torch.where(good, torch.iinfo(values.dtype).max, SKIPPED)
+        values = values.clamp(torch.full_like(top, SKIPPED), top)
         offsets = guard_offsets(offsets, values.numel(), good)
-    values = values.clamp(SKIPPED, top)
     out_w = None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
     return values, offsets, out_w
 
