@@ -160,7 +160,7 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
     a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
     forces either: True runs the kernel interpreted in CPU tests); rules that only drop ids < 0
-    take two elementwise ops instead, anywhere (_drop_negative_ids). `strides`: a batch whose
+    take a few elementwise ops instead, anywhere (_drop_negative_ids). `strides`: a batch whose
     features have their own batch sizes (one a feature, on the device), padded to B bags each
     (nn/vbe.py one_stride), whose padding bags then take no default id (_skip_padding_defaults)."""
     extra = B * rules.defaults
@@ -182,11 +182,11 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
 
 def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor],
                        dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so two
-    elementwise ops (one without weights) instead of the pass over bags, on any device. Ids < 0
-    of features without the rule (which the check refuses) come out SKIPPED too. A bad batch:
-    every id SKIPPED, by the same clamp (its upper bound set by the check), and guard_offsets's
-    offsets, within bounds."""
+    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so a
+    clamp (a `where` for the weights; the offsets' guard when checked) instead of the pass over
+    bags, on any device. Ids < 0 of features without the rule (which the check refuses) come out
+    SKIPPED too. A bad batch: every id SKIPPED, by the same clamp (its upper bound set by the
+    check), and guard_offsets's offsets, within bounds."""
     if status is None:
         values = values.clamp(min=SKIPPED)
     else:  # (both bounds tensors: dynamo cannot trace a clamp with one scalar and one tensor)
