@@ -160,14 +160,14 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
     a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
     forces either: True runs the kernel interpreted in CPU tests); rules that only drop ids < 0
-    take a few elementwise ops instead, anywhere (_drop_negative_ids). `strides`: a batch whose
+    take an elementwise launch instead (_drop_negative_ids). `strides`: a batch whose
     features have their own batch sizes (one a feature, on the device), padded to B bags each
     (nn/vbe.py one_stride), whose padding bags then take no default id (_skip_padding_defaults)."""
     extra = B * rules.defaults
-    if not rules.defaults and not rules.drops_weights:
-        return _drop_negative_ids(values, offsets, psw, status, dtype)
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
+    if not rules.defaults and not rules.drops_weights:
+        return _drop_negative_ids(values, offsets, psw, status, dtype, kernel)
     if not kernel:
         out_v, out_off, out_w = _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
     elif tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
@@ -181,12 +181,14 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
 
 
 def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor],
-                       dtype) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so a
-    clamp (a `where` for the weights; the offsets' guard when checked) instead of the pass over
-    bags, on any device. Ids < 0 of features without the rule (which the check refuses) come out
-    SKIPPED too. A bad batch: every id SKIPPED, by the same clamp (its upper bound set by the
-    check), and guard_offsets's offsets, within bounds."""
+                       dtype, kernel: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so one
+    elementwise launch (`kernel`, eager) or a few elementwise ops (traced, which Inductor fuses;
+    elsewhere) instead of the pass over bags. Ids < 0 of features without the rule (which the
+    check refuses) come out SKIPPED too. A bad batch: every id SKIPPED (weight 0), and
+    guard_offsets's offsets, within bounds."""
+    if kernel and not tracing():
+        return _drop_negative_launch(values, offsets, psw, status, dtype)
     if status is None:
         values = values.clamp(min=SKIPPED)
     else:  # (both bounds tensors: dynamo cannot trace a clamp with one scalar and one tensor)
@@ -196,6 +198,42 @@ def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], s
         offsets = guard_offsets(offsets, values.numel(), good)
     out_w = None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
     return values, offsets, out_w
+
+
+@triton.jit
+def _drop_negative_kernel(values, offsets, psw, status, out_v, out_off, out_w, n, FB, HAS_PSW: tl.constexpr,
+                          STATUS: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK entries a program: ids < 0 written as SKIPPED (weight 0 under HAS_PSW). Under STATUS
+    a bad batch writes every id SKIPPED, and the programs that cover the offsets write them
+    (guard_offsets's when the batch is bad)."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = p < n
+    v = tl.load(values + p, mask=m, other=0)
+    keep = v >= 0
+    if STATUS:
+        good = tl.load(status) == 0
+        keep = keep & good
+        o = tl.load(offsets + p, mask=p <= FB, other=0)
+        tl.store(out_off + p, tl.where(good, o, tl.where(p == 0, 0, n).to(o.dtype)), mask=p <= FB)
+    tl.store(out_v + p, tl.where(keep, v, K_SKIPPED).to(out_v.dtype.element_ty), mask=m)
+    if HAS_PSW:
+        w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_w + p, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
+
+
+def _drop_negative_launch(values, offsets, psw, status, dtype):
+    """_drop_negative_ids's Triton launcher."""
+    n, FB = values.numel(), offsets.numel() - 1
+    out_v = torch.empty_like(values)
+    out_off = offsets if status is None else torch.empty_like(offsets)
+    out_w = None if psw is None else torch.empty(n, dtype=dtype, device=values.device)
+    covered = n if status is None else max(n, FB + 1)
+    if covered:
+        launch(_drop_negative_kernel)[(cdiv(covered, tuning.ELEMENTWISE_BLOCK),)](
+            values, offsets, psw, status, out_v, None if status is None else out_off, out_w, n, FB,
+            HAS_PSW=psw is not None,
+            STATUS=status is not None, BLOCK=tuning.ELEMENTWISE_BLOCK)
+    return out_v, out_off, out_w
 
 
 def _skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, strides: Tensor,

@@ -88,6 +88,9 @@ VALUES_PER_STEP = 32
 # the safe pass over bags (ops/safe.py), as (bags, values): 16 x 16 took 75 us to 8 x 32's 105 at
 # 26 x B16384 bags of 1-39 ids, and 133 to 140 at L64 (NOTES: "the safe pass's shape")
 SAFE_PASS_SHAPE = (16, 16)
+# ids a program of the safe rules' elementwise launch (ops/safe.py): 8 int64 ids a thread of 4
+# warps, four 16-byte loads; not swept (NOTES: session 55)
+ELEMENTWISE_BLOCK = 1024
 
 
 def _gather_shape(D: int) -> tuple[int, int]:
