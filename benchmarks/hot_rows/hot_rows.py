@@ -53,9 +53,9 @@ for B in batches:
                 print(f"  product {kb} slots x {bb} bags, {warps} warps: step {step_us(ebc, kjt, grad):.0f} us",
                       flush=True)
             tuning.product_shape = chosen
-            chosen = (tuning.BAGS_PER_PROGRAM, tuning.VALUES_PER_STEP)
+            chosen = tuning.BAG_PASS_SHAPE
             for shape in ((4, 32), (16, 32), (4, 64), (8, 64), (16, 16), chosen):
-                tuning.BAGS_PER_PROGRAM, tuning.VALUES_PER_STEP = shape
+                tuning.BAG_PASS_SHAPE = shape
                 print(f"  passes {shape[0]} bags x {shape[1]} values: step {step_us(ebc, kjt, grad):.0f} us",
                       flush=True)
             # one update from the same weights by each path

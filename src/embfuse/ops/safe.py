@@ -270,7 +270,7 @@ def safe_bags_kernel(values, offsets, psw, status, rules, B, extra, dtype):
     if FB == 0:
         out_off.fill_(n + extra)  # (no bags: the one offset)
         return out_v, out_off, out_w
-    bags, block = tuning.SAFE_PASS_SHAPE
+    bags, block = tuning.BAG_PASS_SHAPE
     launch(_safe_bags_kernel)[(cdiv(FB, bags),)](
         values, offsets, psw, status, rules, out_v,
         out_off, out_w, n, FB, max(B, 1), extra, HAS_PSW=psw is not None, STATUS=status is not None,

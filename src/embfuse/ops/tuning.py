@@ -80,14 +80,12 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
     return _bag_shape_cached(D, avg, None, spread)
 
 
-# a program of the per-bag passes (backward inputs, the hot split) takes
-# this many bags side by side, this many values of each at a time: one bag a program spent most
-# of its time waiting on the offsets (NOTES: "bags a program")
-BAGS_PER_PROGRAM = 8
-VALUES_PER_STEP = 32
-# the safe pass over bags (ops/safe.py), as (bags, values): 16 x 16 took 75 us to 8 x 32's 105 at
-# 26 x B16384 bags of 1-39 ids, and 133 to 140 at L64 (NOTES: "the safe pass's shape")
-SAFE_PASS_SHAPE = (16, 16)
+# a program of the per-bag passes (the backward inputs, the hot split, the safe pass) takes this
+# many bags side by side, this many ids of each at a time: one bag a program waited on its
+# offsets; 16 x 16 summed least over six workloads (within 1.4 us of the fastest on three), 8 x
+# 32 up to 1.7x slower on bags of 1-39 ids (NOTES: "bags a program", "One shape for the per-bag
+# passes")
+BAG_PASS_SHAPE = (16, 16)
 # ids a program of the safe rules' elementwise launch (ops/safe.py): 8 int64 ids a thread of 4
 # warps, four 16-byte loads; not swept (NOTES: session 55)
 ELEMENTWISE_BLOCK = 1024

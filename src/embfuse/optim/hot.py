@@ -168,9 +168,10 @@ def hot_update(weights, states, optimizer, values, offsets, plan, B, grad, step,
     keys = torch.empty(n, dtype=key_dtype, device=dev)
     counts = torch.zeros(FB * K, dtype=torch.float32, device=dev)
     cold = torch.empty(FB, dtype=torch.int32, device=dev)
-    launch(_hot_split_kernel)[(cdiv(FB, tuning.BAGS_PER_PROGRAM),)](
+    bags, block = tuning.BAG_PASS_SHAPE
+    launch(_hot_split_kernel)[(cdiv(FB, bags),)](
         values, offsets, plan.meta, hot.slot, keys, counts, cold, FB, B, plan.meta.stride(0), K=K,
-        CAP=HOT_CAP, BAGS=tuning.BAGS_PER_PROGRAM, BLOCK=tuning.VALUES_PER_STEP)
+        CAP=HOT_CAP, BAGS=bags, BLOCK=block)
     cold_start = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
     torch.cumsum(cold, 0, out=cold_start[1:])
     n_cold = int(cold_start[-1])
