@@ -82,9 +82,9 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
 
 # a program of the per-bag passes (the backward inputs, the hot split, the safe pass) takes this
 # many bags side by side, this many ids of each at a time: one bag a program waited on its
-# offsets; 16 x 16 summed least over six workloads (within 1.4 us of the fastest on three), 8 x
-# 32 up to 1.7x slower on bags of 1-39 ids (NOTES: "bags a program", "One shape for the per-bag
-# passes")
+# offsets; over six workloads 16 x 16 was at most 12% behind the fastest where it took over 10 us
+# (32 x 8, tied in sum, up to 46%), 8 x 32 up to 1.7x slower on bags of 1-39 ids (NOTES: "bags a
+# program", "One shape for the per-bag passes")
 BAG_PASS_SHAPE = (16, 16)
 # ids a program of the safe rules' elementwise launch (ops/safe.py): 8 int64 ids a thread of 4
 # warps, four 16-byte loads; not swept (NOTES: session 55)
