@@ -231,8 +231,7 @@ def _drop_negative_launch(values, offsets, psw, status, dtype):
     if covered:
         launch(_drop_negative_kernel)[(cdiv(covered, tuning.ELEMENTWISE_BLOCK),)](
             values, offsets, psw, status, out_v, None if status is None else out_off, out_w, n, FB,
-            HAS_PSW=psw is not None,
-            STATUS=status is not None, BLOCK=tuning.ELEMENTWISE_BLOCK)
+            HAS_PSW=psw is not None, STATUS=status is not None, BLOCK=tuning.ELEMENTWISE_BLOCK)
     return out_v, out_off, out_w
 
 

@@ -87,7 +87,8 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
 # program", "One shape for the per-bag passes")
 BAG_PASS_SHAPE = (16, 16)
 # ids a program of the safe rules' elementwise launch (ops/safe.py): 8 int64 ids a thread of 4
-# warps, four 16-byte loads; not swept (NOTES: session 55)
+# warps, four 16-byte loads; not swept: 38 us for 8.5M ids, against the torch ops' 45 (NOTES:
+# "One launch for the elementwise path")
 ELEMENTWISE_BLOCK = 1024
 
 
