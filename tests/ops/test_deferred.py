@@ -11,6 +11,7 @@ from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding import embedding_forward
 from embfuse.ops import tuning
 from embfuse.ops.embedding_bag import embedding_bag_forward, embedding_bag_reference, table_backward_inputs
+from embfuse.ops import deferred
 from embfuse.ops.deferred import check_errors, device_log
 from embfuse.ops.validate import _ids_flags_reference, validate_bags, validate_ids
 from tests.conftest import KERNEL_DEVICE, requires_kernels
@@ -156,6 +157,25 @@ def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("trace", ["fake", "make_fx"])
+def test_a_device_log_made_under_tracing_holds_real_tensors(trace, monkeypatch):
+    """A process whose first call is traced (torch.export on a GPU: fake, proxy and functional
+    modes) makes its device log there: the log's tensors are real ones, whose ring the host reads
+    (a fake ring has no host view: `.numpy()` raised, and export failed)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    monkeypatch.setattr(deferred, "_LOGS", {})
+    logs = []
+    if trace == "fake":
+        with FakeTensorMode():
+            logs.append(device_log("cpu"))
+    else:
+        make_fx(lambda x: logs.append(device_log("cpu")) or x + 1, tracing_mode="fake")(torch.ones(2))
+    log = logs[0]
+    assert not any(isinstance(t, FakeTensor) for t in (log.ring, log.status, log.scratch, *log.graph_rows))
+    assert log.host.shape == (2 * log.RING,) and device_log("cpu") is log
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from embfuse._triton import cdiv, constexprs, launch, next_pow2, tl, tracing, triton
@@ -466,7 +467,10 @@ def device_log(device) -> DeviceLog:
         device = torch.device("cuda", torch.cuda.current_device())
     log = _LOGS.get(device)
     if log is None:
-        log = _LOGS[device] = DeviceLog(device)
+        # real tensors even when the first call is traced (torch.export's fake, proxy and
+        # functional modes: a fake ring has no host view, and the log outlives the trace)
+        with _disable_current_modes():
+            log = _LOGS[device] = DeviceLog(device)
     return log
 
 
