@@ -198,6 +198,22 @@ def test_the_pinned_ring_never_rewrites_a_row_a_copy_has_yet_to_read():
     assert [o.tolist() for o in outs] == [[i, i + 1, i + 2, i + 3, i + 4] for i in range(12)]
 
 
+def test_the_pinned_ring_keeps_nothing_a_trace_made():
+    """Traced (torch.export's or torch.compile's fake tensors, here on fake CUDA tensors), the
+    ring's values are a plain tensor and the ring makes no pinned buffer or event: one made under
+    the trace would be a fake tensor kept for the eager calls after it (ops/deferred.py's device
+    log had that bug)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from embfuse.nn.vbe import PinnedRing
+
+    ring = PinnedRing(slots=2, width=4)
+    with FakeTensorMode():
+        out = ring.to([1, 2, 3], torch.device("cuda"))
+    assert out.shape == (3,) and out.device.type == "cuda" and out.dtype == torch.int64
+    assert ring.host is None and ring.events == [None, None] and ring.k == 0
+
+
 def _vbe_batch(device, keys=("f0", "f1"), strides=(2, 3), rows=10, B=3):
     per_key = [torch.randint(0, 4, (s,)) for s in strides]
     per_key[0][0] = 0  # an empty bag

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from embfuse._triton import tracing
 from embfuse.ops.embedding import gather
 from embfuse.ops.vbe import pad_variable_batch
 from embfuse.sparse.jagged import KeyedJaggedTensor
@@ -27,7 +28,7 @@ class PinnedRing:
         self.host, self.events = None, [None] * slots
 
     def to(self, values: list[int], device: torch.device) -> Tensor:
-        if device.type != "cuda":
+        if device.type != "cuda" or tracing():  # (traced: a constant; the ring keeps nothing a trace made)
             return torch.tensor(values, device=device)
         k = self.k % self.slots
         self.k += 1
