@@ -295,10 +295,8 @@ class Check:
 
     def __init__(self, status, seq, slot, raise_error, what, log):
         self._status, self.seq, self.slot, self.raise_error, self.what = status, seq, slot, raise_error, what
-        self.undo = []
-        self.bad = None  # None: not known yet; True / False once the host has read the verdict
-        self.pending = None
-        self.log = log
+        # bad: None while the verdict is not known, True / False once the host has read it
+        self.undo, self.bad, self.pending, self.log = [], None, None, log
 
     @property
     def status(self) -> torch.Tensor:
@@ -467,9 +465,7 @@ def device_log(device) -> DeviceLog:
         device = torch.device("cuda", torch.cuda.current_device())
     log = _LOGS.get(device)
     if log is None:
-        # real tensors even when the first call is traced (torch.export's fake, proxy and
-        # functional modes: a fake ring has no host view, and the log outlives the trace)
-        with _disable_current_modes():
+        with _disable_current_modes():  # (real tensors if a trace makes it, as torch.export's: it outlives the trace)
             log = _LOGS[device] = DeviceLog(device)
     return log
 
