@@ -309,6 +309,39 @@ def test_backward_inputs_kernel_matches_torch(weighted, wide_keys, pooling):
 
 
 @requires_kernels
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_batch_that_skips_passes_over_every_negative_id(weighted, index_dtype):
+    """The kernels of a batch that `skips` (TensorFlow's rules leave dropped ids < 0 as they came:
+    ops/safe.py) pass over every id < 0, not only SKIPPED (-1): no row read, none counted in a
+    mean or summed in a norm (their weights are not 0 here), no gradient: the float64
+    references', which pool ids >= 0 only. Bags longer than a step of each pass."""
+    B = 5
+    P = plan(KERNEL_DEVICE)
+    values, offsets, psw = batch(B, KERNEL_DEVICE, weighted, max_len=40)
+    negative = torch.tensor([-1, -2, -7, -10**6, torch.iinfo(index_dtype).min], device=KERNEL_DEVICE)
+    at = torch.arange(0, values.numel(), 3, device=KERNEL_DEVICE)
+    values[at] = negative[torch.arange(at.numel(), device=KERNEL_DEVICE) % negative.numel()]
+    values, offsets = values.to(index_dtype), offsets.to(index_dtype)
+    weights = torch.randn(P.num_elements, device=KERNEL_DEVICE)
+    out = collection_forward(weights, values, offsets, psw, P.meta, B, P.total_dim, P.max_dim, P.layout.vec,
+                             skips=True)
+    psw64 = None if psw is None else psw.double()
+    want = collection_reference(weights.double(), values, offsets, psw64, P.meta, B, P.total_dim, P.max_dim)
+    assert_close(out, want, torch.float32, reduction=40)
+    keys, bag, scale = backward_inputs(values, offsets, psw, P.meta, B, scaled=P.scaled, weight_sums=P.weight_sums,
+                                       skips=True, kernel=True)
+    want_keys, want_bag, want_scale = backward_inputs_reference(values, offsets, psw64, P.meta, B, dtype=torch.float64)
+    assert torch.equal(keys, want_keys) and torch.equal(bag.long(), want_bag)
+    torch.testing.assert_close(scale.double(), want_scale, rtol=1e-6, atol=0)
+    grad = torch.randn(B, P.total_dim, device=KERNEL_DEVICE)
+    got = collection_backward(grad, values, offsets, psw, P.meta, P.src_meta, P.layout, B, P.num_elements, P.scaled,
+                              P.weight_sums, skips=True)
+    want = collection_backward_reference(grad.double(), values, offsets, psw64, P.meta, B, P.num_elements, P.max_dim)
+    assert_close(got, want, torch.float32, reduction=len(values))
+
+
+@requires_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", ["none", "tanh", "sigmoid", "relu"])
 @pytest.mark.parametrize("affine", [True, False])

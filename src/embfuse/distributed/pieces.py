@@ -41,7 +41,7 @@ class PieceUpdate:
         and of 2-byte tables the batch as the pieces' lookup reads it (for the gradient)."""
         per_key = dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
         touched = [torch.unique(torch.cat([per_key[f].long() for f in t.feature_names])) for t in self.pieces.tables]
-        self._touched = [rows[rows >= 0] for rows in touched]  # (SKIPPED ids touch no row: routing.py)
+        self._touched = [rows[rows >= 0] for rows in touched]  # (ids < 0 touch no row: routing.py)
         if self._rounded:
             B, plan, values, offsets, psw, _, _ = self.pieces._checked(kjt, True)
             self._batch = (values, offsets, psw, plan.meta, B, plan.max_dim)

@@ -49,9 +49,9 @@ class Routing:
     `sources`: the batch's key each feature reads; a feature of several tables is one feature a
     table here, named as the collection names its outputs (f"{feature}@{table}"). `safe`: each
     feature's TensorFlow rule (ops/safe.py safe_rule) or None: such features are pooled after the
-    safe pass, made here before the routing, so their dropped ids travel as SKIPPED (with weight 0
-    in a weighted batch; to the first row shard, for row-wise tables) and their default ids as
-    ids."""
+    safe pass, made here before the routing, so their dropped ids travel as ids < 0 (with weight 0
+    in a weighted batch; as SKIPPED to the first row shard, for row-wise tables) and their default
+    ids as ids."""
 
     def __init__(self, feature_names, sources, shards, kinds, rows, entries, slot_base, is_weighted, device,
                  weight_dtype=torch.float32, safe=None):
@@ -137,7 +137,7 @@ class Routing:
         psw = psw.to(self.weight_dtype) if psw is not None else None
         values = values.long()
         pooled, given_offsets = kjt, offsets
-        if self.rules is not None:  # (a bad batch comes out as empty bags; it is never sent)
+        if self.rules is not None:  # (a bad batch is never sent)
             values, offsets, psw = safe_bags(values, offsets, psw, self.rules, B, status.view(1), self.weight_dtype,
                                              strides=strides)
             lengths = offsets.diff()
@@ -162,7 +162,7 @@ class Routing:
             key = (self.key_base[feature] + shard).clamp(max=K - 1)
             order = torch.sort(key.int(), stable=True).indices
             local = ids - shard * self.blocks[feature]
-            if self.rules is not None:  # (SKIPPED ids stay SKIPPED)
+            if self.rules is not None:  # (dropped ids go as SKIPPED)
                 local = torch.where(values[at] < 0, SKIPPED, local)
             rows = (local[order], None if psw is None else psw[at][order])
             counts = torch.zeros(K * Bs, dtype=torch.int64, device=dev).index_add_(

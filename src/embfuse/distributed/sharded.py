@@ -148,7 +148,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         self.feature_names, self._dims = list(ebc.embedding_names), list(ebc._dims)
         self._is_weighted = ebc.is_weighted()
         # each feature's TensorFlow rule (its table's combiner=) or None: the routing applies them,
-        # and the shards then pool batches with SKIPPED ids (routing.py)
+        # and the shards then pool batches with ids < 0 (routing.py)
         self._safe = [ebc._safe.get(f) for f in self.feature_names]
         self._has_rules = any(r is not None for r in self._safe)
         self._optimizer = ebc.optimizer
@@ -462,7 +462,7 @@ class ShardedEmbeddingBagCollection(torch.nn.Module):
         lengths = kjt.lengths().long()
         psw = kjt.weights_or_none() if self._is_weighted else None
         pool = self._divide.repeat_interleave(B)
-        if psw is None and self._has_rules:  # (the entries TensorFlow's rules dropped, SKIPPED, are not counted)
+        if psw is None and self._has_rules:  # (the entries TensorFlow's rules dropped, ids < 0, are not counted)
             keep, bag = pooled_values(kjt.values(), kjt.offsets().long())
             lengths = index_sum(F * B, bag, keep.long())
         if psw is None:

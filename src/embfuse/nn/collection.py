@@ -374,7 +374,7 @@ class EmbeddingBagCollection(_Collection):
         self._residency = Residency(l2_refresh) if pin_hot_rows_in_l2 else None
         self._feature = {}  # output name -> (table index, pooling, first output column)
         self._safe = {}  # output name -> TensorFlow's rules (ops/safe.py), for tables with a combiner
-        # batches that come after the safe pass elsewhere (a sharded collection's shards): SKIPPED ids to pass over
+        # batches that come after the safe pass elsewhere (a sharded collection's shards): ids < 0 to pass over
         self._safe_passed = False
         col = 0
         for i, (t, tf, names) in enumerate(zip(tables, tf_pooling, self._names_by_table)):

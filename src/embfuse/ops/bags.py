@@ -34,9 +34,12 @@ from embfuse.ops import tuning
 SUM, MEAN, MAX, SQRTN, WMEAN = 0, 1, 2, 3, 4
 POOLINGS = {"sum": SUM, "mean": MEAN, "max": MAX, "sqrtn": SQRTN, "wmean": WMEAN}
 SCALED = (MEAN, SQRTN, WMEAN)  # modes whose backward scales each value by 1 / norm
-# an id no bag pools: ops/safe.py writes it for the entries TensorFlow's safe lookups drop, and
-# kernels told that a batch `skips` treat it as padding (no row read, no gradient)
+# an id no bag pools: ops/safe.py writes it for the entries TensorFlow's safe lookups drop
 SKIPPED = -1
+# what a bag leaves out (no row read, no gradient), the kernels' PADDING: nothing, torch's
+# padding_idx, or every id < 0 (a batch that `skips`: SKIPPED, and the ids < 0 TensorFlow drops,
+# left as they came)
+NO_PADDING, PADDING_ID, NEGATIVE_IDS = range(3)
 WEIGHT_SUMS = (SQRTN, WMEAN)  # modes whose norm sums a term of each weight (weight_term)
 
 # columns of a feature's meta row: first element of its table in the flat buffer, width, first
@@ -46,6 +49,7 @@ ELEM_START, DIM, OUT_COL, POOL, ROW_START, ROWS, KEY_START = range(7)
 META_COLUMNS = 7
 # the kernels' copies (see _triton.constexprs)
 K_SUM, K_MEAN, K_MAX, K_SQRTN, K_WMEAN, K_SKIPPED = constexprs(SUM, MEAN, MAX, SQRTN, WMEAN, SKIPPED)
+K_NO_PADDING, K_PADDING_ID, K_NEGATIVE_IDS = constexprs(NO_PADDING, PADDING_ID, NEGATIVE_IDS)
 K_ELEM_START, K_DIM, K_OUT_COL, K_POOL, K_ROW_START, K_ROWS, K_KEY_START = constexprs(*range(META_COLUMNS))
 K_UNROLL_COLUMNS, K_UNROLL_STEPS = constexprs(*tuning.WEIGHTED_UNROLL)
 K_COUNT_BLOCK = constexprs(tuning.PADDING_COUNT_BLOCK)[0]
@@ -111,7 +115,7 @@ def held_offsets(offsets: Tensor, n: int) -> Tensor:
 
 def pooled_values(values: Tensor, offsets: Tensor, padding_idx: int = -1) -> tuple[Tensor, Tensor]:
     """(mask of the values a bag pools: inside [offsets[0], offsets[-1]), not padding, not
-    negative (SKIPPED: what ops/safe.py leaves of an entry TensorFlow drops); each value's bag,
+    negative (ids < 0: what ops/safe.py leaves of the entries TensorFlow drops); each value's bag,
     clamped to the last)."""
     FB = offsets.numel() - 1
     bag = bag_of_value(offsets, values.numel())
@@ -187,6 +191,22 @@ def program_bags(FB, B, BAGS: tl.constexpr):
 
 
 @triton.jit
+def pooled(ids, padding_idx, PADDING: tl.constexpr):
+    """Whether a bag pools each of `ids` (PADDING: PADDING_ID or NEGATIVE_IDS; NO_PADDING pools
+    every id and needs no test)."""
+    if PADDING == K_NEGATIVE_IDS:
+        keep = ids >= 0
+    else:
+        keep = ids != padding_idx
+    return keep
+
+
+def padding(padding_idx: int, skips: bool) -> int:
+    """The kernels' PADDING of a batch with `padding_idx` (-1: none) that `skips` or not."""
+    return NEGATIVE_IDS if skips else PADDING_ID if padding_idx >= 0 else NO_PADDING
+
+
+@triton.jit
 def pool_norm(pool, count, wsum):
     """`pool_norm_reference` in a kernel: fp32, IEEE square root."""
     one = tl.full(count.shape, 1.0, tl.float32)
@@ -217,15 +237,15 @@ def bag_scale(pool, count, wsum):
 
 @triton.jit
 def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx, square, counted,
-             MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, WSUM: tl.constexpr,
+             MODE: tl.constexpr, HAS_PSW: tl.constexpr, PADDING: tl.constexpr, WSUM: tl.constexpr,
              BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
     """Pool rows ids[start:end] of `weight` over columns `cols`: (fp32 sum, or max under MAX;
-    the ids that gave the max; pooled ids; their weight terms' sum when WSUM and weighted (w * w where
-    `square`, else w), else
-    the count). Under HAS_PADDING the pooled ids are counted only where `counted` (the caller
-    reads the count or its sum): a second, short pass over the ids, after the pooling loop (a
-    count carried through that loop kept the compiler from unrolling it: benchmarks/NOTES.md,
-    session 53); otherwise the count is end - start."""
+    the ids that gave the max; pooled ids; their weight terms' sum when WSUM and weighted (w * w
+    where `square`, else w), else the count). Ids that `pooled` leaves out (PADDING) are passed
+    over; then the pooled ids are counted only where `counted` (the caller reads the count or its
+    sum): a second, short pass over the ids, after the pooling loop (a count carried through that
+    loop kept the compiler from unrolling it: benchmarks/NOTES.md, session 53); otherwise the
+    count is end - start."""
     lane = tl.arange(0, BLOCK_L)
     # accumulate a whole BLOCK_L x BLOCK_D tile and reduce over rows once, after the loop: a
     # reduction per step would cross warps (shared memory + barrier) and stall the gathers
@@ -246,8 +266,8 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         pos = s + lane
         lmask = pos < end
         ids = tl.load(indices + pos, mask=lmask, other=0).to(tl.int64)
-        if HAS_PADDING:
-            lmask = lmask & (ids != padding_idx)
+        if PADDING != K_NO_PADDING:
+            lmask = lmask & pooled(ids, padding_idx, PADDING)
         m2 = lmask[:, None] & cmask[None, :]
         # a BLOCK_L x BLOCK_D tile of gathered rows: many independent loads in flight
         rows = tl.load(weight + ids[:, None] * stride_w + cols[None, :], mask=m2, other=0.0,
@@ -287,13 +307,13 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
         best = tl.zeros([BLOCK_D], dtype=tl.int64)
         result = tl.sum(acc, axis=0)
     n = end - start
-    if HAS_PADDING:
+    if PADDING != K_NO_PADDING:
         if counted:
             count = tl.zeros([K_COUNT_BLOCK], dtype=tl.int32)
             for s in range(start, end, K_COUNT_BLOCK):
                 pos = s + tl.arange(0, K_COUNT_BLOCK)
-                ids = tl.load(indices + pos, mask=pos < end, other=padding_idx)
-                count += (ids != padding_idx).to(tl.int32)
+                ids = tl.load(indices + pos, mask=pos < end, other=0)
+                count += ((pos < end) & pooled(ids, padding_idx, PADDING)).to(tl.int32)
             n = tl.sum(count, axis=0).to(tl.int64)
     ws = n.to(tl.float32)
     if HAS_PSW and WSUM:
@@ -306,7 +326,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
 @triton.jit
 def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys, bag_out, scale_out, n, FB, B,
                             stride_m, padding_idx, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            HAS_PADDING: tl.constexpr, NORM_PASS: tl.constexpr, COLD: tl.constexpr,
+                            PADDING: tl.constexpr, NORM_PASS: tl.constexpr, COLD: tl.constexpr,
                             STATUS: tl.constexpr, TAIL: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """Per value (KEY_START + id, or -1; bag; w / norm). COLD: `values` are sort keys already
     (-1: taken elsewhere, the hot-row path) and the others are packed from cold_start[bag] on.
@@ -345,8 +365,8 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
         for i in range(0, tl.max(end - start), BLOCK):
             p = start[:, None] + i + tl.arange(0, BLOCK)[None, :]
             m = p < end[:, None]
-            if HAS_PADDING:
-                m = m & (tl.load(values + p, mask=m, other=0) != padding_idx)
+            if PADDING != K_NO_PADDING:
+                m = m & pooled(tl.load(values + p, mask=m, other=0), padding_idx, PADDING)
             count += tl.sum(m.to(tl.int64), axis=1)
             if HAS_PSW:
                 w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
@@ -368,8 +388,8 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
         else:
             v = tl.load(values + p, mask=m, other=0)
             k = key0[:, None] + v
-            if HAS_PADDING:
-                k = tl.where(v != padding_idx, k, -1)
+            if PADDING != K_NO_PADDING:
+                k = tl.where(pooled(v, padding_idx, PADDING), k, -1)
             if STATUS:
                 k = tl.where(key0[:, None] < 0, -1, k)
             to = p
@@ -393,8 +413,8 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     keys int32 unless `wide_keys` (the reference's are int64), bags int32 while they fit.
     `scaled`: some feature averages (else, without weights, every scale is 1 and none is returned:
     the reduction then reads no scale a value). `weight_sums`: some feature's norm sums its
-    weights (sqrtn, wmean: with weights, a pass sums their terms). `skips`: the batch holds SKIPPED
-    ids (ops/safe.py), which get key -1 as padding does. `tail`: a padded batch (sparse/padded.py):
+    weights (sqrtn, wmean: with weights, a pass sums their terms). `skips`: the batch holds ids < 0
+    that no bag pools (ops/safe.py), which get key -1 as padding does. `tail`: a padded batch (sparse/padded.py):
     the values past the last bag get key -1 (a plain batch has none; its kernel skips the fill).
     `status`: the batch's deferred check; a bad batch gives every value key -1. `kernel`: force
     the kernel (True, interpreted in CPU tests) or the torch ops; None: by device and `dtype`
@@ -419,8 +439,8 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     if n and FB:
         launch(_backward_inputs_kernel)[(cdiv(FB, bags),)](
             values, offsets, psw, status, meta, None if cold is None else cold[0], keys, bag, scale, n, FB, max(B, 1),
-            meta.stride(0), SKIPPED if skips else padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
-            HAS_PADDING=padding_idx >= 0 or skips, COLD=cold is not None,
+            meta.stride(0), padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
+            PADDING=padding(padding_idx, skips), COLD=cold is not None,
             NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),
             STATUS=status is not None, TAIL=tail and cold is None, BAGS=bags, BLOCK=block)
     return keys, bag, scale
@@ -431,11 +451,5 @@ def guard_bags(values: Tensor, offsets: Tensor, status: Tensor) -> tuple[Tensor,
     (a deferred check's) says the batch is bad, every value 0 in the first bag (in range whatever
     the tables); the caller zeroes what they give. Elementwise ops, no host read (so they trace)."""
     good = status[0] == 0
-    return torch.where(good, values, 0), guard_offsets(offsets, values.numel(), good)
-
-
-def guard_offsets(offsets: Tensor, n: int, good: Tensor) -> Tensor:
-    """guard_bags's offsets: `offsets` where `good`, else every one of the `n` values in the first
-    bag."""
-    safe = torch.cat([offsets[:1] * 0, torch.full_like(offsets[1:], n)])
-    return torch.where(good, offsets, safe)
+    safe = torch.cat([offsets[:1] * 0, torch.full_like(offsets[1:], values.numel())])
+    return torch.where(good, values, 0), torch.where(good, offsets, safe)

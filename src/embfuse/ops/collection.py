@@ -20,8 +20,8 @@ from embfuse import _handles
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
-                              K_SKIPPED, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED, WEIGHT_SUMS,
-                              accumulation, index_sum,
+                              K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED,
+                              WEIGHT_SUMS, accumulation, index_sum,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
@@ -54,7 +54,7 @@ class Plan(_handles.Named):
         # the narrowest feature's width, 0 when a table's ids pass int32 (tuning.narrows)
         self.narrow_dim = min((m[DIM] for m in self.rows), default=0) if max(rows, default=0) < 1 << 31 else 0
         self.rules, self.limits = feature_rules(safe, self.meta[:, ROWS].contiguous())  # (limits: the check's bounds)
-        self.skips = self.rules is not None  # batches after the safe pass hold SKIPPED ids
+        self.skips = self.rules is not None  # batches after the safe pass hold ids < 0 no bag pools
         self.tail = False  # the plan of padded batches (sparse/padded.py): nn/collection.py sets it
         self.table_names = None  # each feature's table's name, for messages: nn/collection.py sets it
         self.src_meta = source_meta(self.meta)
@@ -109,7 +109,7 @@ def _elements(values, offsets, psw, meta, B, total_dim, max_dim, acc):
     keys, bag, factor = backward_inputs_reference(values, offsets, psw, meta, B, dtype=acc)
     m = meta[bag // max(B, 1)]
     cols = torch.arange(max_dim, device=values.device)
-    inside = (cols[None, :] < m[:, DIM, None]) & (keys >= 0)[:, None]  # (SKIPPED ids: no element)
+    inside = (cols[None, :] < m[:, DIM, None]) & (keys >= 0)[:, None]  # (ids < 0: no element)
     w_at = torch.where(inside, m[:, ELEM_START, None] + values.long()[:, None] * m[:, DIM, None] + cols, 0)
     o_at = torch.where(inside, (bag % max(B, 1))[:, None] * total_dim + m[:, OUT_COL, None] + cols, 0)
     return w_at, o_at, torch.where(inside, factor[:, None], 0), inside
@@ -158,8 +158,9 @@ def _collection_fwd_kernel(
             cmask = tl.full([BLOCK_D], 1, tl.int1)
         else:
             cmask = (cols // VEC) < (D // VEC)  # constant over each group of VEC columns
-        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, K_SKIPPED, pool == K_SQRTN,
-                                          pool != K_SUM, 0, HAS_PSW, SKIP, WSUM, BLOCK_L, BLOCK_D, EVICT)
+        result, _, count, wsum = pool_bag(table, values, psw, start, end, cols, cmask, D, 0, pool == K_SQRTN,
+                                          pool != K_SUM, 0, HAS_PSW, K_NEGATIVE_IDS if SKIP else K_NO_PADDING, WSUM,
+                                          BLOCK_L, BLOCK_D, EVICT)
         # a branch on the feature's mode after the loop, as before bags.py: sum features pay
         # nothing (benchmarks/NOTES.md, session 11, has what the other forms cost)
         if pool != K_SUM:
@@ -184,7 +185,7 @@ def collection_forward(weights, values, offsets, psw, meta, B, total_dim, max_di
     """Triton launcher; `vec`: a power of two dividing every width (Layout.vec), for vector loads;
     `config`: launch-shape overrides for sweeps (tuning.bag_shape); `weight_sums`: Plan's (some
     feature's norm sums its weights: weighted bags then sum their terms); `skips`: Plan's (the
-    batch holds SKIPPED ids, passed over). `epilogue`: (ln_weight (F, D) or
+    batch holds ids < 0, passed over). `epilogue`: (ln_weight (F, D) or
     None, ln_bias or None, eps, activation): every feature D wide (D <= 256), and each pooled row
     leaves through embfuse.ops.chain's LayerNorm + activation, in the same program."""
     F = meta.shape[0]
@@ -231,7 +232,7 @@ def one_width_rows(values, keys, bag, meta, B, D, slots):
 def feature_grad_rows(grad, values, keys, bag, scale, meta_rows, B, acc):
     """Per feature f (meta_rows[f]: its meta row as ints), the ids of its values that a bag pools
     and their gradient rows, scaled, in `acc`: what the CPU's eager backward and mixed-width fused
-    update add or sum into f's table (SKIPPED ids touch no row)."""
+    update add or sum into f's table (ids < 0 touch no row)."""
     feature = bag // max(B, 1)
     for f, m in enumerate(meta_rows):
         at = ((feature == f) & (keys >= 0)).nonzero()[:, 0]
@@ -280,7 +281,7 @@ def one_width(meta: Tensor, total_dim: int, max_dim: int) -> bool:
 
 def _feature_runs(values, offsets, psw, B):
     """What the per-feature CPU paths slice: (values, held offsets (bags.held_offsets), weights)
-    with SKIPPED ids (ops/safe.py) left out and the offsets renumbered over the rest, and the
+    with ids < 0 (ops/safe.py) left out and the offsets renumbered over the rest, and the
     F + 1 first values of each feature's run (host ints)."""
     offsets = held_offsets(offsets, values.numel())
     named = values >= 0

@@ -21,9 +21,10 @@ from torch import Tensor
 
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
-from embfuse.ops.bags import (K_MAX, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCALED, SQRTN, SUM, TORCH_MODES,
-                              WEIGHT_SUMS, accumulation, backward_inputs, bag_norms_reference, divide, divide_reference,
-                              pool_bag, held_offsets, index_sum, pool_norm, pooled_values, single_meta, torch_cpu)
+from embfuse.ops.bags import (K_MAX, K_NO_PADDING, K_PADDING_ID, K_SQRTN, K_SUM, K_WMEAN, MAX, POOLINGS, SCALED, SQRTN,
+                              SUM, TORCH_MODES, WEIGHT_SUMS, accumulation, backward_inputs, bag_norms_reference, divide,
+                              divide_reference, pool_bag, held_offsets, index_sum, pool_norm, pooled_values,
+                              single_meta, torch_cpu)
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
@@ -94,7 +95,8 @@ def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_id
     if STATUS:
         end = tl.where(ok, end, start)
     result, best, count, wsum = pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_idx,
-                                         MODE == K_SQRTN, MODE != K_SUM and MODE != K_MAX, MODE, HAS_PSW, HAS_PADDING,
+                                         MODE == K_SQRTN, MODE != K_SUM and MODE != K_MAX, MODE, HAS_PSW,
+                                         K_PADDING_ID if HAS_PADDING else K_NO_PADDING,
                                          (MODE == K_SQRTN) or (MODE == K_WMEAN), BLOCK_L, BLOCK_D, EVICT)
     if MODE != K_SUM and MODE != K_MAX:
         result = divide(result, pool_norm(MODE, count, wsum))

@@ -3,16 +3,17 @@
 `tf.nn.safe_embedding_lookup_sparse` drops ids < 0 (and, for the mean and sqrtn combiners,
 entries whose weight is <= 0) and gives every row left without ids its `default_id` with weight
 1 (or zeros without one). Dropping would change sizes (a host read, or a compaction of the
-batch); here nothing moves: an entry TensorFlow drops stays where it is as the id SKIPPED
-(ops/bags.py; weight 0 in a weighted batch), which the kernels pass over like padding: no row is
-read, nothing is added to the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn),
-and no row is touched by the backward (a fused Adam would otherwise move rows TensorFlow never
-looked up). A feature with a default id gets one more entry a bag, after the bag's own: the
-default id with weight 1 when the bag kept nothing, else SKIPPED. The batch that comes out has
-n + B * (features with a default) values, a size known on the host, and carries weights only if
-it came with them: without, every entry weighs 1 and a SKIPPED one nothing, which the kernels
-read from the ids (written weights would make the pooling weighted, which is slower:
-benchmarks/NOTES.md, session 53).
+batch); here nothing moves: an entry TensorFlow drops stays where it is as an id < 0 (its own,
+or SKIPPED where its weight drops it; weight 0 in a weighted batch), which the kernels of a batch
+that skips pass over like padding (ops/bags.py NEGATIVE_IDS): no row is read, nothing is added to
+the weighted sum, the weights' sum (wmean) or sum of squares (sqrtn), and no row is touched by
+the backward (a fused Adam would otherwise move rows TensorFlow never looked up). So rules that
+only drop ids < 0 leave the batch as it came. A feature with a default id gets one more entry a
+bag, after the bag's own: the default id with weight 1 when the bag kept nothing, else SKIPPED.
+The batch that comes out has n + B * (features with a default) values, a size known on the host,
+and carries weights only if it came with them: without, every entry weighs 1 and an id < 0
+nothing, which the kernels read from the ids (written weights would make the pooling weighted,
+which is slower: benchmarks/NOTES.md, session 53).
 
 A feature's rule is a row of `rules` (int64): its flags (DROP_NEGATIVE, DROP_WEIGHTS,
 HAS_DEFAULT), its default id, and how many features before it have a default (B default entries
@@ -27,8 +28,7 @@ import torch
 from torch import Tensor
 
 from embfuse._triton import cdiv, constexprs, kernel_op, launch, tl, tracing, triton, use_kernels
-from embfuse.ops.bags import (K_SKIPPED, SKIPPED, bag_of_value, guard_bags, guard_offsets, index_sum,
-                              program_bags)
+from embfuse.ops.bags import K_SKIPPED, SKIPPED, bag_of_value, guard_bags, index_sum, program_bags
 from embfuse.ops import tuning
 
 DROP_NEGATIVE, DROP_WEIGHTS, HAS_DEFAULT = 1, 2, 4
@@ -158,16 +158,17 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
               strides: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The batch (canonical F * B + 1 offsets, checked or trusted) after the rules: (values,
     offsets, weights in `dtype`, None when `psw` is None). `status`: the batch's deferred check;
-    a bad batch comes out as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
+    the pass writes a bad batch as empty bags. One launch on the GPU, torch ops elsewhere (`kernel`
     forces either: True runs the kernel interpreted in CPU tests); rules that only drop ids < 0
-    take an elementwise launch instead (_drop_negative_ids). `strides`: a batch whose
-    features have their own batch sizes (one a feature, on the device), padded to B bags each
-    (nn/vbe.py one_stride), whose padding bags then take no default id (_skip_padding_defaults)."""
+    leave the batch as it came (_drop_negative_ids; a bad batch to its status, which its readers
+    take). `strides`: a batch whose features have their own batch sizes (one a feature, on the
+    device), padded to B bags each (nn/vbe.py one_stride), whose padding bags then take no default
+    id (_skip_padding_defaults)."""
     extra = B * rules.defaults
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
     if not rules.defaults and not rules.drops_weights:
-        return _drop_negative_ids(values, offsets, psw, status, dtype, kernel)
+        return values, offsets, _drop_negative_ids(values, psw, dtype)
     if not kernel:
         out_v, out_off, out_w = _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
     elif tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
@@ -180,59 +181,11 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     return out_v, out_off, out_w
 
 
-def _drop_negative_ids(values: Tensor, offsets: Tensor, psw: Optional[Tensor], status: Optional[Tensor],
-                       dtype, kernel: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """safe_bags where the rules only drop ids < 0: no entry moves and each decides alone, so one
-    elementwise launch (`kernel`, eager) or a few elementwise ops (traced, which Inductor fuses;
-    elsewhere) instead of the pass over bags. Ids < 0 of features without the rule (which the
-    check refuses) come out SKIPPED too. A bad batch: every id SKIPPED (weight 0), and
-    guard_offsets's offsets, within bounds."""
-    if kernel and not tracing():
-        return _drop_negative_launch(values, offsets, psw, status, dtype)
-    if status is None:
-        values = values.clamp(min=SKIPPED)
-    else:  # (both bounds tensors: dynamo cannot trace a clamp with one scalar and one tensor)
-        good = status[0] == 0
-        top = torch.where(good, torch.iinfo(values.dtype).max, SKIPPED)
-        values = values.clamp(torch.full_like(top, SKIPPED), top)
-        offsets = guard_offsets(offsets, values.numel(), good)
-    out_w = None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
-    return values, offsets, out_w
-
-
-@triton.jit
-def _drop_negative_kernel(values, offsets, psw, status, out_v, out_off, out_w, n, FB, HAS_PSW: tl.constexpr,
-                          STATUS: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK entries a program: ids < 0 written as SKIPPED (weight 0 under HAS_PSW). Under STATUS
-    a bad batch writes every id SKIPPED, and the programs that cover the offsets write them
-    (guard_offsets's when the batch is bad)."""
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = p < n
-    v = tl.load(values + p, mask=m, other=0)
-    keep = v >= 0
-    if STATUS:
-        good = tl.load(status) == 0
-        keep = keep & good
-        o = tl.load(offsets + p, mask=p <= FB, other=0)
-        tl.store(out_off + p, tl.where(good, o, tl.where(p == 0, 0, n).to(o.dtype)), mask=p <= FB)
-    tl.store(out_v + p, tl.where(keep, v, K_SKIPPED).to(out_v.dtype.element_ty), mask=m)
-    if HAS_PSW:
-        w = tl.load(psw + p, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_w + p, tl.where(keep, w, 0.0).to(out_w.dtype.element_ty), mask=m)
-
-
-def _drop_negative_launch(values, offsets, psw, status, dtype):
-    """_drop_negative_ids's Triton launcher."""
-    n, FB = values.numel(), offsets.numel() - 1
-    out_v = torch.empty_like(values)
-    out_off = offsets if status is None else torch.empty_like(offsets)
-    out_w = None if psw is None else torch.empty(n, dtype=dtype, device=values.device)
-    covered = n if status is None else max(n, FB + 1)
-    if covered:
-        launch(_drop_negative_kernel)[(cdiv(covered, tuning.ELEMENTWISE_BLOCK),)](
-            values, offsets, psw, status, out_v, None if status is None else out_off, out_w, n, FB,
-            HAS_PSW=psw is not None, STATUS=status is not None, BLOCK=tuning.ELEMENTWISE_BLOCK)
-    return out_v, out_off, out_w
+def _drop_negative_ids(values: Tensor, psw: Optional[Tensor], dtype) -> Optional[Tensor]:
+    """safe_bags's weights where the rules only drop ids < 0: the ids stay as they came (every
+    kernel and reference of a batch that skips passes over each id < 0), and each id < 0 weighs 0
+    (the sharded paths sum the weights as given: distributed/routing.py)."""
+    return None if psw is None else torch.where(values < 0, 0, psw.to(dtype))
 
 
 def _skip_padding_defaults(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Tensor, strides: Tensor,

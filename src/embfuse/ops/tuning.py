@@ -86,10 +86,6 @@ def pooling_shape(D: int, values: int, bags: int, overrides: dict | None = None,
 # (32 x 8, tied in sum, up to 46%), 8 x 32 up to 1.7x slower on bags of 1-39 ids (NOTES: "bags a
 # program", "One shape for the per-bag passes")
 BAG_PASS_SHAPE = (16, 16)
-# ids a program of the safe rules' elementwise launch (ops/safe.py): 8 int64 ids a thread of 4
-# warps, four 16-byte loads; not swept: 38 us for 8.5M ids, against the torch ops' 45 (NOTES:
-# "One launch for the elementwise path")
-ELEMENTWISE_BLOCK = 1024
 
 
 def _gather_shape(D: int) -> tuple[int, int]:
