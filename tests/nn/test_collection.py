@@ -574,6 +574,52 @@ def test_tensorflow_tables_refuse_what_tensorflow_refuses(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_bad_batch_under_rules_that_only_drop_negative_ids_changes_nothing(device, mode, weighted):
+    """TensorFlow's sum without a default id drops ids < 0 and nothing else, so its batch reaches
+    the pooling and the fused step as it came (no pass over bags), a bad one too: an id past a
+    table, an id < 0 of the TorchRec table, a negative length each raise their error (at the call,
+    or by check_errors()), and leave weights and optimizer state bitwise unchanged (Adam with
+    weight decay moves any row handed a gradient). A good batch then trains."""
+    from unittest import mock
+
+    ts = [EmbeddingBagConfig(20, 4, "user", feature_names=["uid", "friend"], combiner="sum"),
+          EmbeddingBagConfig(9, 3, "item", feature_names=["iid"])]
+    ebc = EmbeddingBagCollection(ts, is_weighted=weighted, device=device, optimizer=Adam(lr=0.1, weight_decay=0.1),
+                                 bounds_check=mode)
+    keys = ["uid", "friend", "iid"]
+    values = torch.tensor([3, -1, 19, -7, 0, 5, 8])
+    lengths = torch.tensor([2, 1, 1, 0, 2, 1])  # (uid: 3 ids, friend: 1, iid: 3 in range of 9)
+    weights = torch.rand(values.numel()) + 0.5 if weighted else None
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+
+    def step(v, ls):
+        ebc(KeyedJaggedTensor(keys, v, weights, lengths=ls).to(device)).values().sum().backward()
+        embfuse.check_errors()
+
+    past, negative = values.clone(), values.clone()
+    past[2] = 20  # uid's third id, past the user table
+    negative[5] = -1  # iid's: the TorchRec table's ids < 0 are out of range
+    with mock.patch("embfuse.ops.safe.safe_bags_kernel", side_effect=AssertionError("the pass ran")), \
+            mock.patch("embfuse.ops.safe._safe_bags_torch", side_effect=AssertionError("the pass ran")):
+        for v, ls, error, match in (
+                (past, lengths, IndexError, r"feature 'uid'.*values\[2\] = 20 \(sample 1\)"),
+                (negative, lengths, IndexError, r"feature 'iid'.*= -1"),
+                (values, torch.tensor([2, 1, 2, -1, 2, 1]), ValueError,
+                 r"feature 'friend': lengths\[3\] \(sample 1\) = -1")):
+            with pytest.raises(error, match=match):
+                step(v, ls)
+            after = ebc.state_dict()
+            assert all(torch.equal(after[k], b) for k, b in before.items())
+        step(values, lengths)
+    assert int(ebc.state_dict()["optimizer_step"]) == 1
+    moved = [sorted((w1.detach() != before[f"embedding_bags.{t}.weight"]).any(1).nonzero().flatten().tolist())
+             for t, w1 in zip(["user", "item"], ebc.table_weights())]
+    assert moved == [[3, 19], [0, 5, 8]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("rule", [None, SGD(lr=0.5)], ids=["grad", "sgd"])
 def test_variable_batch_size_per_feature_is_torchrecs_vbe(device, weighted, rule):
