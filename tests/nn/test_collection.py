@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -5,6 +7,7 @@ import torch.nn.functional as F
 import embfuse
 from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from embfuse import KeyedJaggedTensor
+from embfuse._triton import interpreting
 from embfuse.ops import deferred
 from embfuse.optim import SGD, Adam, RowWiseAdagrad
 from tests.conftest import DEVICES
@@ -661,3 +664,56 @@ def test_variable_batch_size_per_feature_is_torchrecs_vbe(device, weighted, rule
     else:
         for w0, w1 in zip(before, ebc.table_weights()):
             torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)
+
+
+def _vbe_lookup(item_dim, device):
+    """A collection (uid, friend: mean over a 4-wide table; iid: sum over an `item_dim`-wide one)
+    and a VBE batch for it (strides 2, 3, 1) whose sizes it carries, as a loader's batch does."""
+    ts = [EmbeddingBagConfig(20, 4, "user", feature_names=["uid", "friend"], pooling="mean"),
+          EmbeddingBagConfig(9, item_dim, "item", feature_names=["iid"])]
+    keys, strides = ["iid", "uid", "friend"], [2, 3, 1]
+    lengths = torch.tensor([1, 2, 0, 1, 3, 2])
+    kjt = KeyedJaggedTensor(keys, torch.randint(0, 9, (int(lengths.sum()),)), lengths=lengths,
+                            stride_per_key_per_rank=[[s] for s in strides], length_per_key=[3, 1, 5],
+                            inverse_indices=(keys, torch.tensor([[0, 1, 1], [0, 1, 2], [0, 0, 0]])))
+    return EmbeddingBagCollection(ts, device=device), kjt.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("item_dim", [3, 4], ids=["mixed-widths", "one-width"])
+def test_a_compiled_vbe_batch_then_eager_ones(device, item_dim):
+    """A VBE batch traced first (torch.compile, fullgraph) pools as the eager call does, and the
+    eager calls after it still work: on a GPU the pinned ring that carries a VBE batch's host
+    sizes keeps nothing the trace made (a fake buffer there would fail every later call). Both
+    forms of the expansion: one gather for one width, a gather a run of widths."""
+    ebc, kjt = _vbe_lookup(item_dim, device)
+    got = torch.compile(lambda k: ebc(k).values(), fullgraph=True)(kjt)
+    assert ebc._vbe_ring.host is None  # (the trace kept no buffer)
+    for _ in range(3):  # (eager calls after it use the ring's rows in turn)
+        assert_close(ebc(kjt).values(), got, torch.float32)
+
+
+@pytest.mark.skipif(not interpreting(), reason="a GPU runs the path itself: test_a_compiled_vbe_batch_then_eager_ones")
+@pytest.mark.parametrize("item_dim", [3, 4], ids=["mixed-widths", "one-width"])
+def test_a_compiled_vbe_batch_traces_no_launch_outside_an_op(item_dim, monkeypatch):
+    """The GPU's path of a traced VBE lookup, on the CPU: the padding (ops/vbe.py) and the
+    expansion's gather (ops/embedding.py) take their kernel branches, and a launch that dynamo
+    would trace outside an op fails (on a GPU dynamo cannot: torch 2.11 stops at _Distinct's id()
+    of a tensor it made). Inside the padding's op, where wrap_triton traces the launch on a GPU,
+    the reference stands in."""
+    vbe, embedding = importlib.import_module("embfuse.ops.vbe"), importlib.import_module("embfuse.ops.embedding")
+    launches, forward = vbe.pad_kernels, embedding.embedding_forward
+
+    def pad(*args):
+        return vbe.pad_reference(*args) if torch._C._len_torch_dispatch_stack() else launches(*args)
+
+    def gather(*args):
+        assert not torch.compiler.is_compiling(), "dynamo traced a launch outside an op"
+        return forward(*args)
+    for module in (vbe, embedding):
+        monkeypatch.setattr(module, "use_kernels", lambda t: True)
+    monkeypatch.setattr(vbe, "pad_kernels", pad)
+    monkeypatch.setattr(embedding, "embedding_forward", gather)
+    ebc, kjt = _vbe_lookup(item_dim, "cpu")
+    got = torch.compile(lambda k: ebc(k).values(), fullgraph=True)(kjt)
+    assert_close(got, ebc(kjt).values(), torch.float32)

@@ -2,10 +2,11 @@
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from embfuse.ops.vbe import pad_reference, pad_variable_batch
+from embfuse.ops.vbe import pad_kernels, pad_reference
 from tests.conftest import KERNEL_DEVICE, requires_kernels
 
 
@@ -33,6 +34,15 @@ def test_kernel_agrees_with_reference(data, F, Bo, dtype):
                            dtype=dtype, device=KERNEL_DEVICE).reshape(F, Bo)
     if data.draw(st.booleans()):  # (EmbeddingCollection and statistics pad without expanding)
         inverse = None
-    got, want = pad_variable_batch(lengths, inverse, meta, F, Bp), pad_reference(lengths, inverse, meta, F, Bp)
+    got, want = pad_kernels(lengths, inverse, meta, F, Bp), pad_reference(lengths, inverse, meta, F, Bp)
     assert torch.equal(got[0], want[0]) and got[0].dtype == lengths.dtype
     assert got[1] is want[1] is None if inverse is None else torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_the_padding_is_an_op(rows):
+    """What a traced lookup calls (dynamo traces no launch outside an op): schema, fake kernel."""
+    lengths = torch.tensor([3, 1, 2, 5, 0, 4], device=KERNEL_DEVICE)
+    meta = torch.tensor([2, 0, 4, 0, 2, 2, 1, 2, 0], device=KERNEL_DEVICE)
+    inverse = torch.tensor([[0, 3, 1], [1, 0, 9], [5, -1, 0]], device=KERNEL_DEVICE) if rows else None
+    torch.library.opcheck(torch.ops.embfuse.pad_variable_batch, (lengths, inverse, meta, 3, 4))

@@ -60,7 +60,7 @@ def one_stride(kjt: KeyedJaggedTensor, slots: list[tuple[str, str]], names: list
     if expand and inverse is None:
         raise ValueError("a batch whose features have their own batch sizes (stride_per_key "
                          f"{kjt.stride_per_key()}) needs inverse_indices to be pooled (TorchRec's rule)")
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if not tracing() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError("a batch whose features have their own batch sizes cannot be captured in a CUDA "
                                   "graph: its per-feature sizes cross from the host at each call")
     keys, index = inverse if expand else (kjt.keys(), None)
@@ -110,7 +110,9 @@ class Expand(torch.autograd.Function):
         for f, n, col, d in ctx.runs:
             if n * d == pooled.shape[1]:  # one width for all: a row gather over (pooled row, feature) rows
                 at = (rows * n + torch.arange(n, device=rows.device)).reshape(-1)
-                parts.append(gather(pooled.view(-1, d), at).view(B, n * d))
+                # (traced: torch's indexing, which Inductor fuses; dynamo traces no launch outside an op)
+                flat = pooled.view(-1, d)
+                parts.append((flat[at] if tracing() else gather(flat, at)).view(B, n * d))
                 continue
             block = pooled[:, col:col + n * d].unflatten(1, (n, d))
             parts.append(block[rows[:, f:f + n], torch.arange(n, device=rows.device)].reshape(B, n * d))

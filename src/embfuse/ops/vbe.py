@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import cdiv, launch, tl, triton, use_kernels
+from embfuse._triton import cdiv, kernel_op, launch, tl, tracing, triton, use_kernels
 from embfuse.ops import tuning
 
 
@@ -60,9 +60,18 @@ def _pad_kernel(lengths, inverse, meta, out, F, Bp, Bo, inverse_stride, BLOCK: t
 
 def pad_variable_batch(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor, F: int,
                        Bp: int) -> tuple[Tensor, Optional[Tensor]]:
-    """As pad_reference, by a launch for the lengths and one for the rows where kernels run."""
+    """As pad_reference, by a launch for the lengths and one for the rows where kernels run (one
+    opaque op in a traced graph: dynamo does not trace a launch itself)."""
     if not use_kernels(lengths):
         return pad_reference(lengths, inverse, meta, F, Bp)
+    if tracing():  # (its rows are empty without inverse indices: an op returns tensors)
+        padded, rows = _pad_op(lengths, inverse, meta, F, Bp)
+        return padded, None if inverse is None else rows
+    return pad_kernels(lengths, inverse, meta, F, Bp)
+
+
+def pad_kernels(lengths, inverse, meta, F, Bp):
+    """The launches (interpreted in CPU tests)."""
     padded = torch.empty(F * Bp, dtype=lengths.dtype, device=lengths.device)
     parts = [(padded, F * Bp, False)]
     rows, Bo = None, 0
@@ -73,7 +82,19 @@ def pad_variable_batch(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor,
     block = tuning.PAD_BLOCK
     for out, n, is_rows in parts:
         if n:
-            launch(_pad_kernel)[(cdiv(n, block),)](lengths, lengths if inverse is None else inverse, meta, out, F,
-                                                   Bp, Bo, 0 if inverse is None else inverse.stride(0),
+            launch(_pad_kernel)[(cdiv(n, block),)](lengths, inverse, meta, out, F, Bp, Bo,
+                                                   0 if inverse is None else inverse.stride(0),
                                                    BLOCK=block, ROWS=is_rows)
     return padded, rows
+
+
+@kernel_op("embfuse::pad_variable_batch", mutates_args=())
+def _pad_op(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor, F: int, Bp: int) -> tuple[Tensor, Tensor]:
+    padded, rows = (pad_kernels if use_kernels(lengths) else pad_reference)(lengths, inverse, meta, F, Bp)
+    return padded, rows if rows is not None else meta.new_empty(0)
+
+
+@_pad_op.register_fake
+def _(lengths, inverse, meta, F, Bp):
+    rows = (0,) if inverse is None else (inverse.shape[-1], F)
+    return lengths.new_empty(F * Bp), meta.new_empty(rows)
