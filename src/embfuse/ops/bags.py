@@ -436,12 +436,12 @@ def backward_inputs(values: Tensor, offsets: Tensor, psw: Optional[Tensor], meta
     has_scale = psw is not None or scaled
     scale = torch.empty(out, dtype=torch.float32, device=dev) if has_scale else None
     bags, block = tuning.BAG_PASS_SHAPE
+    pad = padding(padding_idx, skips)
     if n and FB:
         launch(_backward_inputs_kernel)[(cdiv(FB, bags),)](
             values, offsets, psw, status, meta, None if cold is None else cold[0], keys, bag, scale, n, FB, max(B, 1),
-            meta.stride(0), padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale,
-            PADDING=padding(padding_idx, skips), COLD=cold is not None,
-            NORM_PASS=((padding_idx >= 0 or skips) and scaled) or (psw is not None and weight_sums),
+            meta.stride(0), padding_idx, HAS_PSW=psw is not None, HAS_SCALE=has_scale, PADDING=pad,
+            COLD=cold is not None, NORM_PASS=(pad != NO_PADDING and scaled) or (psw is not None and weight_sums),
             STATUS=status is not None, TAIL=tail and cold is None, BAGS=bags, BLOCK=block)
     return keys, bag, scale
 

@@ -164,11 +164,11 @@ def safe_bags(values: Tensor, offsets: Tensor, psw: Optional[Tensor], rules: Rul
     take). `strides`: a batch whose features have their own batch sizes (one a feature, on the
     device), padded to B bags each (nn/vbe.py one_stride), whose padding bags then take no default
     id (_skip_padding_defaults)."""
+    if not rules.defaults and not rules.drops_weights:
+        return values, offsets, _drop_negative_ids(values, psw, dtype)
     extra = B * rules.defaults
     if kernel is None:
         kernel = use_kernels(values) and dtype != torch.float64
-    if not rules.defaults and not rules.drops_weights:
-        return values, offsets, _drop_negative_ids(values, psw, dtype)
     if not kernel:
         out_v, out_off, out_w = _safe_bags_torch(values, offsets, psw, status, rules.table, B, extra, dtype)
     elif tracing():  # one opaque op in a traced graph (its weights are empty without psw: an op returns tensors)
