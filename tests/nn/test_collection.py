@@ -693,6 +693,21 @@ def test_a_compiled_vbe_batch_then_eager_ones(device, item_dim):
         assert_close(ebc(kjt).values(), got, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_vbe_batch_of_an_embedding_collection(device):
+    """EmbeddingCollection's VBE lookup traced (torch.compile, fullgraph): each feature's rows
+    and lengths are its own samples', as in the eager call. It pads without inverse indices (on a
+    GPU through the padding's op), then gathers the rows of the padded batch."""
+    ec = EmbeddingCollection([EmbeddingConfig(20, 4, "user", feature_names=["uid", "friend"]),
+                              EmbeddingConfig(9, 4, "item", feature_names=["iid"])], device=device)
+    _, kjt = _vbe_lookup(4, device)
+    got = torch.compile(lambda k: {f: (jt.values(), jt.lengths()) for f, jt in ec(k).items()}, fullgraph=True)(kjt)
+    assert list(got) == ["uid", "friend", "iid"]
+    for f, t in (("uid", "user"), ("friend", "user"), ("iid", "item")):
+        assert torch.equal(got[f][1], kjt[f].lengths())
+        torch.testing.assert_close(got[f][0], ec.embedding_weight(t)[kjt[f].values()], rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not interpreting(), reason="a GPU runs the path itself: test_a_compiled_vbe_batch_then_eager_ones")
 @pytest.mark.parametrize("item_dim", [3, 4], ids=["mixed-widths", "one-width"])
 def test_a_compiled_vbe_batch_traces_no_launch_outside_an_op(item_dim, monkeypatch):
