@@ -666,15 +666,17 @@ def test_variable_batch_size_per_feature_is_torchrecs_vbe(device, weighted, rule
             torch.testing.assert_close(w1.detach(), w0.detach() - 0.5 * w0.grad, rtol=1e-12, atol=1e-12)
 
 
-def _vbe_lookup(item_dim, device):
+def _vbe_lookup(item_dim, device, lengths=(1, 2, 0, 1, 3, 2), sized=True):
     """A collection (uid, friend: mean over a 4-wide table; iid: sum over an `item_dim`-wide one)
-    and a VBE batch for it (strides 2, 3, 1) whose sizes it carries, as a loader's batch does."""
+    and a VBE batch for it (strides 2, 3, 1) whose sizes (length_per_key) it carries if `sized`,
+    as a loader's batch does."""
     ts = [EmbeddingBagConfig(20, 4, "user", feature_names=["uid", "friend"], pooling="mean"),
           EmbeddingBagConfig(9, item_dim, "item", feature_names=["iid"])]
     keys, strides = ["iid", "uid", "friend"], [2, 3, 1]
-    lengths = torch.tensor([1, 2, 0, 1, 3, 2])
-    kjt = KeyedJaggedTensor(keys, torch.randint(0, 9, (int(lengths.sum()),)), lengths=lengths,
-                            stride_per_key_per_rank=[[s] for s in strides], length_per_key=[3, 1, 5],
+    lengths = torch.tensor(lengths)
+    sizes = [int(n.sum()) for n in torch.split(lengths, strides)]
+    kjt = KeyedJaggedTensor(keys, torch.randint(0, 9, (sum(sizes),)), lengths=lengths,
+                            stride_per_key_per_rank=[[s] for s in strides], length_per_key=sizes if sized else None,
                             inverse_indices=(keys, torch.tensor([[0, 1, 1], [0, 1, 2], [0, 0, 0]])))
     return EmbeddingBagCollection(ts, device=device), kjt.to(device)
 
@@ -694,13 +696,39 @@ def test_a_compiled_vbe_batch_then_eager_ones(device, item_dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_compiled_vbe_batch_of_an_embedding_collection(device):
-    """EmbeddingCollection's VBE lookup traced (torch.compile, fullgraph): each feature's rows
-    and lengths are its own samples', as in the eager call. It pads without inverse indices (on a
-    GPU through the padding's op), then gathers the rows of the padded batch."""
+@pytest.mark.parametrize("how", ["export", "compile"])
+def test_a_vbe_batch_without_its_sizes_traces(device, how):
+    """A VBE batch that does not carry its length_per_key exports (the values' count dynamic) and
+    compiles (fullgraph): its sizes are read from the traced lengths as data-dependent values. The
+    program then pools other batches of those strides as the module does, and refuses one whose
+    lengths do not add up to its values (the graph's runtime assertion)."""
+    ebc, kjt = _vbe_lookup(3, device, sized=False)
+    if how == "export":
+        n = torch.export.Dim("n", min=2)
+        exported = torch.export.export(ebc, (kjt,), dynamic_shapes={"features": [(n,), None, None, None, None]},
+                                       strict=False).module()
+        run = lambda k: exported(k).values()  # noqa: E731
+    else:
+        run = torch.compile(lambda k: ebc(k).values(), fullgraph=True)
+    for lengths in ((1, 2, 0, 1, 3, 2), (4, 0, 2, 2, 0, 1), (0, 0, 5, 1, 1, 2)):
+        _, batch = _vbe_lookup(3, device, lengths, sized=False)
+        assert_close(run(batch), ebc(batch).values(), torch.float32)
+    _, short = _vbe_lookup(3, device, sized=False)
+    short._values = short._values[:-1]
+    with pytest.raises(RuntimeError, match=r"Eq\("):  # (torch's words for it: the assertion's expression)
+        run(short)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+def test_a_compiled_vbe_batch_of_an_embedding_collection(device, sized):
+    """EmbeddingCollection's VBE lookup traced (torch.compile, fullgraph), with or without the
+    batch's length_per_key: each feature's rows and lengths are its own samples', as in the eager
+    call. It pads without inverse indices (on a GPU through the padding's op), then gathers the
+    rows of the padded batch."""
     ec = EmbeddingCollection([EmbeddingConfig(20, 4, "user", feature_names=["uid", "friend"]),
                               EmbeddingConfig(9, 4, "item", feature_names=["iid"])], device=device)
-    _, kjt = _vbe_lookup(4, device)
+    _, kjt = _vbe_lookup(4, device, sized=sized)
     got = torch.compile(lambda k: {f: (jt.values(), jt.lengths()) for f, jt in ec(k).items()}, fullgraph=True)(kjt)
     assert list(got) == ["uid", "friend", "iid"]
     for f, t in (("uid", "user"), ("friend", "user"), ("iid", "item")):

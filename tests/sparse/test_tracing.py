@@ -9,7 +9,8 @@ import torch.fx
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
-from embfuse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from embfuse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, PaddedKeyedJaggedTensor
+from tests.conftest import DEVICES
 
 
 def test_a_container_made_from_traced_values_is_one_node():
@@ -51,6 +52,30 @@ def test_a_container_made_from_constants_is_folded():
 
     gm = torch.fx.symbolic_trace(Count())
     assert "KeyedJaggedTensor" not in gm.code and gm(torch.zeros(1)).item() == 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+def test_key_views_of_a_batch_without_its_sizes_compile(device, padded):
+    """to_dict of a batch that does not carry its length_per_key compiles (fullgraph): the sizes
+    are read from the traced lengths as data-dependent values, and the graph asserts at run time
+    that they add up to the values (at most, padded), where an eager call raises ValueError."""
+    def batch(lengths):
+        lengths = torch.tensor(lengths)
+        kjt = KeyedJaggedTensor(["a", "b"], torch.randperm(int(lengths.sum())), lengths=lengths, stride=2)
+        return (PaddedKeyedJaggedTensor.from_kjt(kjt, kjt.values().numel() + 3) if padded else kjt).to(device)
+    views = torch.compile(lambda k: [jt.values() for jt in k.to_dict().values()], fullgraph=True)
+    for lengths in ([2, 0, 1, 3], [0, 4, 1, 1]):
+        kjt, a = batch(lengths), sum(lengths[:2])
+        got = views(kjt)
+        assert len(got) == 2
+        assert torch.equal(got[0], kjt.values()[:a]) and torch.equal(got[1], kjt.values()[a:sum(lengths)])
+    short = batch([2, 0, 1, 3])
+    short._values = short._values[:5]  # (lengths add up to 6)
+    with pytest.raises(ValueError, match="add up to"):
+        short.to_dict()
+    with pytest.raises(RuntimeError, match=r"add up to|Eq\("):  # (ours, or torch's: the assertion's expression)
+        views(short)
 
 
 def test_static_helpers_of_traced_containers_are_one_call():

@@ -447,8 +447,20 @@ class KeyedJaggedTensor(_Jagged):
 
     def _check_total(self, total: int) -> None:
         """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
-        if total != self._values.shape[0]:
-            raise ValueError(f"lengths add up to {total} but there are {self._values.shape[0]} values")
+        n = self._values.shape[0]
+        if tracing():
+            self._assert_traced(total == n, lambda: "a batch's lengths must add up to its values")
+        elif total != n:
+            raise ValueError(f"lengths add up to {total} but there are {n} values")
+
+    def _assert_traced(self, fits, message) -> None:
+        """A traced batch's per-key counts may be read from its traced lengths (data-dependent
+        values): the graph asserts at run time that each is >= 0 and that they `fits` the values,
+        which also keeps each key's slice inside them, as Inductor asks of a slice with
+        data-dependent bounds. (Dynamo takes a `message` function that reads no variable only.)"""
+        for count in self.length_per_key():
+            torch._check(count >= 0, lambda: "a batch's lengths must be >= 0")
+        torch._check(fits, message)
 
     # --- moving ---
     def _tensors(self):

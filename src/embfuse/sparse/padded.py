@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from embfuse._triton import tracing
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
@@ -60,8 +61,11 @@ class PaddedKeyedJaggedTensor(KeyedJaggedTensor):
         return self._values.shape[0]
 
     def _check_total(self, total: int) -> None:
-        if total > self._values.shape[0]:
-            raise ValueError(f"lengths add up to {total}, past the {self._values.shape[0]} values of the padded batch")
+        n = self._values.shape[0]
+        if tracing():
+            self._assert_traced(total <= n, lambda: "a padded batch's lengths must add up to at most its values")
+        elif total > n:
+            raise ValueError(f"lengths add up to {total}, past the {n} values of the padded batch")
 
     def unpad(self) -> KeyedJaggedTensor:
         """The batch without its padding (a plain KeyedJaggedTensor; one host read on a GPU)."""
