@@ -721,19 +721,28 @@ def test_a_vbe_batch_without_its_sizes_traces(device, how):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
-def test_a_compiled_vbe_batch_of_an_embedding_collection(device, sized):
-    """EmbeddingCollection's VBE lookup traced (torch.compile, fullgraph), with or without the
+@pytest.mark.parametrize("how", ["export", "compile"])
+def test_a_traced_vbe_batch_of_an_embedding_collection(device, sized, how):
+    """EmbeddingCollection's VBE lookup exported or compiled (fullgraph), with or without the
     batch's length_per_key: each feature's rows and lengths are its own samples', as in the eager
-    call. It pads without inverse indices (on a GPU through the padding's op), then gathers the
-    rows of the padded batch."""
+    call, for a batch of other lengths too. It pads without inverse indices (on a GPU through the
+    padding's op), then gathers the rows of the padded batch."""
     ec = EmbeddingCollection([EmbeddingConfig(20, 4, "user", feature_names=["uid", "friend"]),
                               EmbeddingConfig(9, 4, "item", feature_names=["iid"])], device=device)
     _, kjt = _vbe_lookup(4, device, sized=sized)
-    got = torch.compile(lambda k: {f: (jt.values(), jt.lengths()) for f, jt in ec(k).items()}, fullgraph=True)(kjt)
-    assert list(got) == ["uid", "friend", "iid"]
-    for f, t in (("uid", "user"), ("friend", "user"), ("iid", "item")):
-        assert torch.equal(got[f][1], kjt[f].lengths())
-        torch.testing.assert_close(got[f][0], ec.embedding_weight(t)[kjt[f].values()], rtol=0, atol=0)
+    if how == "export":
+        n = torch.export.Dim("n", min=2)
+        run = torch.export.export(ec, (kjt,), dynamic_shapes={"features": [(n,), None, None, None, None]},
+                                  strict=False).module()
+    else:
+        run = torch.compile(lambda k: ec(k), fullgraph=True)
+    for lengths in ((1, 2, 0, 1, 3, 2), (4, 0, 2, 2, 0, 1)):
+        _, batch = _vbe_lookup(4, device, lengths, sized=sized)
+        got = run(batch)
+        assert list(got) == ["uid", "friend", "iid"]
+        for f, t in (("uid", "user"), ("friend", "user"), ("iid", "item")):
+            assert torch.equal(got[f].lengths(), batch[f].lengths())
+            torch.testing.assert_close(got[f].values(), ec.embedding_weight(t)[batch[f].values()], rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not interpreting(), reason="a GPU runs the path itself: test_a_compiled_vbe_batch_then_eager_ones")
