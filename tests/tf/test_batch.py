@@ -51,6 +51,21 @@ def test_a_collection_of_tensorflow_tables_is_one_safe_lookup_a_feature(device, 
         assert_close(out[f], want, torch.float32, reduction=8)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_compiled_collection_of_tensorflow_tables(device, weighted):
+    """torch.compile does not trace sparse tensors (torch's rule): a model compiled whole
+    (fullgraph) takes the keyed batch made outside it, and its collection of TensorFlow-style
+    tables pools as the eager one does, for a second batch too."""
+    tables = [EmbeddingBagConfig(rows, 4, f"t{f}", feature_names=[f], combiner=c, default_id=d)
+              for f, (rows, c, d) in FEATURES.items()]
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted, device=device)
+    pooled = torch.compile(lambda kjt: ebc(kjt).values(), fullgraph=True)
+    for B in (6, 3):
+        kjt = keyed_batch(*_sparse_batch(weighted, device, B=B))
+        assert_close(pooled(kjt), ebc(kjt).values(), torch.float32, reduction=8)
+
+
 @pytest.mark.gpu
 def test_the_collections_training_step_never_synchronises():
     tables = [EmbeddingBagConfig(rows, 4, f"t{f}", feature_names=[f], combiner=c, default_id=d)
