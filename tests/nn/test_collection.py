@@ -696,17 +696,18 @@ def test_a_compiled_vbe_batch_then_eager_ones(device, item_dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("how", ["export", "compile"])
+@pytest.mark.parametrize("how", ["export", "export-strict", "compile"])
 def test_a_vbe_batch_without_its_sizes_traces(device, how):
-    """A VBE batch that does not carry its length_per_key exports (the values' count dynamic) and
-    compiles (fullgraph): its sizes are read from the traced lengths as data-dependent values. The
-    program then pools other batches of those strides as the module does, and refuses one whose
-    lengths do not add up to its values (the graph's runtime assertion)."""
+    """A VBE batch that does not carry its length_per_key exports (strict or not, the values'
+    count dynamic) and compiles (fullgraph): its sizes are read from the traced lengths as
+    data-dependent values. The program then pools other batches of those strides as the module
+    does, and refuses one whose lengths do not add up to its values (the graph's runtime
+    assertion)."""
     ebc, kjt = _vbe_lookup(3, device, sized=False)
-    if how == "export":
+    if how.startswith("export"):
         n = torch.export.Dim("n", min=2)
         exported = torch.export.export(ebc, (kjt,), dynamic_shapes={"features": [(n,), None, None, None, None]},
-                                       strict=False).module()
+                                       strict=how == "export-strict").module()
         run = lambda k: exported(k).values()  # noqa: E731
     else:
         run = torch.compile(lambda k: ebc(k).values(), fullgraph=True)

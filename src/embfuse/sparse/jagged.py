@@ -449,18 +449,18 @@ class KeyedJaggedTensor(_Jagged):
         """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
         n = self._values.shape[0]
         if tracing():
-            self._assert_traced(total == n, lambda: "a batch's lengths must add up to its values")
+            self._assert_traced(total == n)
         elif total != n:
             raise ValueError(f"lengths add up to {total} but there are {n} values")
 
-    def _assert_traced(self, fits, message) -> None:
+    def _assert_traced(self, fits) -> None:
         """A traced batch's per-key counts may be read from its traced lengths (data-dependent
         values): the graph asserts at run time that each is >= 0 and that they `fits` the values,
         which also keeps each key's slice inside them, as Inductor asks of a slice with
-        data-dependent bounds. (Dynamo takes a `message` function that reads no variable only.)"""
+        data-dependent bounds. (No message: strict torch.export refuses a message function.)"""
         for count in self.length_per_key():
-            torch._check(count >= 0, lambda: "a batch's lengths must be >= 0")
-        torch._check(fits, message)
+            torch._check(count >= 0)
+        torch._check(fits)
 
     # --- moving ---
     def _tensors(self):

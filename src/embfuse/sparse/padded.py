@@ -63,7 +63,7 @@ class PaddedKeyedJaggedTensor(KeyedJaggedTensor):
     def _check_total(self, total: int) -> None:
         n = self._values.shape[0]
         if tracing():
-            self._assert_traced(total <= n, lambda: "a padded batch's lengths must add up to at most its values")
+            self._assert_traced(total <= n)
         elif total > n:
             raise ValueError(f"lengths add up to {total}, past the {n} values of the padded batch")
 
