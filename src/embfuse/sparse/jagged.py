@@ -17,7 +17,7 @@ from torch import Tensor
 
 from embfuse._triton import tracing
 from embfuse.ops.errors import BadCountsError
-from embfuse.sparse.tracing import Traceable, host_data
+from embfuse.sparse.tracing import Traceable, assert_counts, host_data, kept
 
 
 def _offsets_of(lengths: Tensor) -> Tensor:
@@ -195,7 +195,7 @@ class JaggedTensor(_Jagged):
     def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> "JaggedTensor":
         """TorchRec's: sample b's list is the first lengths[b] entries of values[b] (B, N, ...)."""
         keep = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
-        return JaggedTensor(values[keep], _kept(weights, keep), lengths=lengths)
+        return JaggedTensor(values[keep], kept(weights, keep), lengths=lengths)
 
     @staticmethod
     def from_dense(values: Sequence[Tensor], weights: Optional[Sequence[Tensor]] = None) -> "JaggedTensor":
@@ -446,21 +446,15 @@ class KeyedJaggedTensor(_Jagged):
         return _concat(kjts)
 
     def _check_total(self, total: int) -> None:
-        """Slicing by key reads the per-key lengths anyway: they must add up to the values."""
+        """Slicing by key reads the per-key lengths anyway: they must add up to the values (a padded
+        batch's, to at most them). Traced, they may be data-dependent: see assert_counts."""
         n = self._values.shape[0]
+        fits = total <= n if self._padded else total == n
         if tracing():
-            self._assert_traced(total == n)
-        elif total != n:
-            raise ValueError(f"lengths add up to {total} but there are {n} values")
-
-    def _assert_traced(self, fits) -> None:
-        """A traced batch's per-key counts may be read from its traced lengths (data-dependent
-        values): the graph asserts at run time that each is >= 0 and that they `fits` the values,
-        which also keeps each key's slice inside them, as Inductor asks of a slice with
-        data-dependent bounds. (No message: strict torch.export refuses a message function.)"""
-        for count in self.length_per_key():
-            torch._check(count >= 0)
-        torch._check(fits)
+            assert_counts(self.length_per_key(), fits)
+        elif not fits:
+            raise ValueError(f"lengths add up to {total}, past the {n} values of the padded batch" if self._padded
+                             else f"lengths add up to {total} but there are {n} values")
 
     # --- moving ---
     def _tensors(self):
@@ -593,6 +587,7 @@ def _concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
 
 
 torch.fx.wrap("_concat")
+torch.fx.wrap("kept")  # (sparse/tracing.py: fx wraps a name in the module that calls it)
 
 
 @torch.fx.wrap
@@ -602,10 +597,3 @@ def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
                              None if w is None else w.new_empty(0), lengths=kjt.lengths().new_empty(0),
                              stride=kjt.stride())
 
-
-def _kept(t: Optional[Tensor], keep: Tensor) -> Optional[Tensor]:
-    """t[keep], or None without t (one call when traced: the weights may be None)."""
-    return None if t is None else t[keep]
-
-
-torch.fx.wrap("_kept")

@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from embfuse._triton import tracing
 from embfuse.sparse.jagged import KeyedJaggedTensor
 
 
@@ -59,13 +58,6 @@ class PaddedKeyedJaggedTensor(KeyedJaggedTensor):
 
     def capacity(self) -> int:
         return self._values.shape[0]
-
-    def _check_total(self, total: int) -> None:
-        n = self._values.shape[0]
-        if tracing():
-            self._assert_traced(total <= n)
-        elif total > n:
-            raise ValueError(f"lengths add up to {total}, past the {n} values of the padded batch")
 
     def unpad(self) -> KeyedJaggedTensor:
         """The batch without its padding (a plain KeyedJaggedTensor; one host read on a GPU)."""
