@@ -58,6 +58,21 @@ def test_table_notes_keep_a_mismatch_beside_the_host_time():
     assert "MISMATCH, host 42 us/call" in text and "host 30 us/call" in text
 
 
+def test_tables_give_the_gpu_time_of_a_time_that_is_mostly_the_hosts():
+    from rich.console import Console
+
+    rows = [{"workload": "t", "provider": "embfuse", "us": 215.5, "gpu_us": 74.6, "host_us_per_call": 132.0},
+            {"workload": "t", "provider": "torch", "us": 71.4, "gpu_us": 63.6, "host_us_per_call": 64.0}]
+    md = markdown({"rows": rows, "workloads": []})
+    assert "| t | 215.5 (GPU 74.6) | 71.4 | - |" in md and "mostly the host's" in md
+    assert "GPU" not in markdown({"rows": rows[1:], "workloads": []})
+    meta = {"gpu": "g", "copy_bandwidth_GBps": 1.0, "torch": "t", "triton": "t", "fbgemm_gpu": "-", "commit": "c"}
+    console = Console(record=True, width=300)
+    console.print(table({"meta": meta, "rows": rows}))
+    text = console.export_text()
+    assert "215.5 (GPU 74.6)" in text and "(GPU 63.6)" not in text
+
+
 def test_train_steps_run_and_update_on_cpu():
     from embfuse.bench.train import TRAIN_PROVIDERS, batches, count_train_bytes
 

@@ -19,7 +19,7 @@ import torch
 import embfuse
 from embfuse.bench.peers import Unsupported, fbgemm_tbe
 from embfuse.bench.providers import attempt
-from embfuse.bench.runner import HOST_ROWS_US, host_us
+from embfuse.bench.runner import HOST_ROWS_US, gpu_us, host_us
 from embfuse.bench.workloads import Workload, generate_ids
 
 # the 26 categorical features of Criteo's Kaggle display-advertising set, capped at the
@@ -185,7 +185,7 @@ def measure_collection(w: Workload, device) -> list[dict]:
             step()
             row["us"] = do_bench(step, warmup=3, rep=300, return_mode="median") * 1e3
             if row["us"] < HOST_ROWS_US:
-                row["host_us_per_call"] = host_us(step)
+                row["host_us_per_call"], row["gpu_us"] = host_us(step), gpu_us(step)
             row.update(launch_counts(lambda: step(move(host))))
 
         attempt(row, measure)

@@ -6,6 +6,16 @@ import json
 from pathlib import Path
 
 
+# a time whose GPU work is under this share of it is mostly the host's: the tables say so
+HOST_BOUND = 0.8
+
+
+def _gpu_note(r: dict) -> str:
+    """What follows a time that is mostly the host's (HOST_BOUND): its GPU time; else nothing."""
+    gpu = r.get("gpu_us")
+    return f" (GPU {gpu:.1f})" if gpu is not None and "us" in r and gpu < HOST_BOUND * r["us"] else ""
+
+
 def table(result: dict):
     from rich.table import Table
 
@@ -21,7 +31,7 @@ def table(result: dict):
             note = ", ".join(filter(None, [note, f"host {r['host_us_per_call']:.0f} us/call" + (
                 f", graph {r['graph_us']:.1f} us" if r.get("graph_us") else "")]))
         fmt = lambda k, f: f.format(r[k]) if k in r else "-"  # noqa: E731
-        t.add_row(r["workload"] if r["workload"] != last else "", r["provider"], fmt("us", "{:.1f}"),
+        t.add_row(r["workload"] if r["workload"] != last else "", r["provider"], fmt("us", "{:.1f}") + _gpu_note(r),
                   fmt("GBps", "{:.0f}"), fmt("pct_roofline", "{:.0f}%"), fmt("rows_rate_GBps", "{:.0f}"),
                   fmt("speedup_vs_torch", "{:.2f}x"), fmt("speedup_vs_fbgemm", "{:.2f}x"), note[:60])
         last = r["workload"]
@@ -37,10 +47,14 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         by.setdefault(r["workload"], {})[r["provider"]] = r
     for name, group in by.items():
-        cells = [f"{group[p]['us']:.1f}" if p in group and "us" in group[p] else "-" for p in providers]
+        cells = [f"{group[p]['us']:.1f}" + _gpu_note(group[p]) if p in group and "us" in group[p] else "-"
+                 for p in providers]
         pct = group.get("embfuse", {}).get("pct_roofline")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {pct:.0f}% |" if pct else f"| {name} | "
                      + " | ".join(cells) + " | - |")
+    if any(_gpu_note(r) for r in result["rows"]):
+        lines.append(f"\n(GPU x): the GPU's own time a call, where it is under {HOST_BOUND:.0%} of the time "
+                     "measured: that time is mostly the host's.")
     return "\n".join(lines)
 
 

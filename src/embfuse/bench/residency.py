@@ -30,7 +30,7 @@ from embfuse.bench.collection import make_batch, table_rows
 from embfuse.bench.peers import fbgemm_tbe
 from embfuse.bench.providers import attempt
 from embfuse.bench.report import write_result
-from embfuse.bench.runner import host_us, copy_bandwidth, metadata
+from embfuse.bench.runner import copy_bandwidth, gpu_us, host_us, metadata
 from embfuse.bench.workloads import Workload, generate_ids
 
 WORKLOADS = [
@@ -94,28 +94,6 @@ def all_in_l2_us(w: Workload, kjt, device) -> float:
     offsets = kjt.offsets()
     return do_bench(lambda: embfuse.embedding_bag(ids, table, offsets, mode="sum", include_last_offset=True,
                                                   bounds_check="off"), warmup=5, rep=200, return_mode="median") * 1e3
-
-
-def gpu_us(fn, calls: int = 20) -> float:
-    """GPU time of one call of `fn`: the summed duration of its GPU work (kernels, copies,
-    fills; the profiler's) over `calls` calls, each after an L2 flush as in do_bench. Gaps
-    between kernels (the host's time) are not counted. The flush (a bitwise_not over 256 MB,
-    an op no lookup uses) is told apart by its kernel's name."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            torch.bitwise_not(flush, out=flush)
-            fn()
-        torch.cuda.synchronize()
-    work = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    flushes = [e for e in work if "bitwise_not" in e.name]
-    assert len(flushes) == calls, f"{len(flushes)} flush kernels profiled for {calls} calls"
-    return sum(e.time_range.elapsed_us() for e in work if "bitwise_not" not in e.name) / calls
 
 
 def measure(device="cuda", workloads=WORKLOADS, progress=lambda what: None) -> dict:
