@@ -192,6 +192,12 @@ def test_default_forward_and_fused_step_never_synchronise():
                                     stride_per_key_per_rank=[[3], [2]],
                                     inverse_indices=(["uid", "iid"], torch.tensor([[0, 1, 2], [1, 1, 0]], device=dev)))
 
+    # batches past the folds' limits (a check launch of its own) and past NARROW_IDS (int32 ids)
+    wide = torch.randn(40, tuning.NARROW_DIM, device=dev)
+    many = torch.randint(0, 40, (tuning.FOLD_GATHER_IDS + 1,), device=dev)
+    bags = torch.randint(0, 40, (tuning.FOLD_IDS // 64 + 1, 64), device=dev)
+    narrow = torch.randint(0, 40, (tuning.NARROW_IDS // 64 + 1, 64), device=dev)
+
     def step():
         ebc(kjt).values().square().sum().backward()
         ebc(vbe).values().square().sum().backward()
@@ -201,6 +207,9 @@ def test_default_forward_and_fused_step_never_synchronise():
             embfuse.embedding_bag(ids, w)
             embfuse.embedding(ids, w)
             ebc(kjt)
+            embfuse.embedding(many, w)
+            embfuse.embedding_bag(bags, w)
+            embfuse.embedding_bag(narrow, wide)
 
     step()  # plans, caches, compiled kernels
     torch.cuda.synchronize()
