@@ -1,39 +1,23 @@
 """One table D32 B65536 L64 (10M rows, 2-D ids, sum), default against `off`, fp32 and fp16,
-power-law and uniform ids: do_bench three times, the GPU's busy time (profiler) and the host's
-time a call over 200 back-to-back calls. Asks whether a quick bench's default row that reads
-twice `off`'s (H200, benchmarks/NOTES.md session 59) is GPU time or host time.
+power-law and uniform ids: do_bench three times, then the GPU's busy time (profiler) and the
+host's time a call over 200 back-to-back calls (host_default_b2048.per_call). Asks whether a
+quick bench's default row that reads twice `off`'s (H200, benchmarks/NOTES.md session 59) is
+GPU time or host time.
 
     PYTHONPATH=src python3 benchmarks/host/d32_b65536.py
 """
 
-import time
+import sys
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import embfuse
 from embfuse.bench.workloads import Workload, generate_batch
 
-
-def gpu_busy(f) -> float:
-    f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            f()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") / 10
-
-
-def host(f, n: int = 200) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+sys.path.insert(0, str(Path(__file__).parent))
+from host_default_b2048 import per_call  # noqa: E402
 
 
 def measure(w: Workload) -> None:
@@ -45,8 +29,9 @@ def measure(w: Workload) -> None:
 
         f()
         b = [do_bench(f, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(3)]
+        host, _, gpu = per_call(f)
         print(f"{w.dtype} D32 B65536 {w.dist} {mode}: do_bench {' '.join('%.1f' % x for x in b)} "
-              f"gpu {gpu_busy(f):.1f} host {host(f):.1f}", flush=True)
+              f"gpu {gpu:.1f} host {host:.1f}", flush=True)
 
 
 def main() -> None:
