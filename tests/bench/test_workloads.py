@@ -73,6 +73,30 @@ def test_tables_give_the_gpu_time_of_a_time_that_is_mostly_the_hosts():
     assert "215.5 (GPU 74.6)" in text and "(GPU 63.6)" not in text
 
 
+def test_results_name_their_commit_and_a_tree_that_differs_from_it(tmp_path, monkeypatch):
+    import subprocess
+
+    from embfuse.bench.runner import commit
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    monkeypatch.delenv("EMBFUSE_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # (no repository around tmp_path)
+    assert commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "new.py").write_text("")  # untracked: the tree measured is still HEAD's
+    assert commit(tmp_path) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("EMBFUSE_COMMIT", "abc+prod")
+    assert commit(tmp_path) == "abc+prod"
+
+
 def test_train_steps_run_and_update_on_cpu():
     from embfuse.bench.train import TRAIN_PROVIDERS, batches, count_train_bytes
 

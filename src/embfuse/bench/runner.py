@@ -154,16 +154,22 @@ def measure(w: Workload, providers: list[str], device) -> list[dict]:
     return rows
 
 
-def commit() -> str:
-    """The commit measured: $EMBFUSE_COMMIT (a copy of the tree has no .git), else git's HEAD."""
+def commit(where: Path = Path(__file__).parent) -> str:
+    """The commit measured: $EMBFUSE_COMMIT (a copy of the tree has no .git), else git's HEAD,
+    with "+dirty" where tracked files differ from it: a local change, or a copy of the tree whose
+    .git is older than its files (session 59: a device's copy reported the session's first HEAD)."""
     found = os.environ.get("EMBFUSE_COMMIT")
-    if not found:
-        try:
-            found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                   cwd=Path(__file__).parent).stdout.strip() or "unknown"
-        except OSError:
-            found = "unknown"
-    return found
+    if found:
+        return found
+
+    def git(*args) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "") if head else "unknown"
+    except OSError:
+        return "unknown"
 
 
 def metadata(device, bandwidth: float) -> dict:
