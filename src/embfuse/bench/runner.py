@@ -167,9 +167,10 @@ def commit(where: Path = Path(__file__).parent) -> str:
 
     try:
         head = git("rev-parse", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "") if head else "unknown"
+        dirty = bool(head) and bool(git("status", "--porcelain", "--untracked-files=no"))
     except OSError:
         return "unknown"
+    return head + "+dirty" * dirty if head else "unknown"
 
 
 def metadata(device, bandwidth: float) -> dict:
