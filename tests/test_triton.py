@@ -218,8 +218,8 @@ def _reduction_launch(first, kind):
     if kind is None:
         return "embfuse.ops.segments", "_segment_grad_kernel", dict(kw, grad=t(16, 4)), written + ["grad"]
     kw.update(weight=t(16, 4), state1=t(16, 4), state2=t(16, 4), lr=0.1, eps=1e-8, weight_decay=0.1,
-              one_minus_beta1=0.1, one_minus_beta2=0.01, bc2_sqrt=1.0, seed=3, KIND=kind, WD=True, DROP=8,
-              QUARTERS=kind == 3)
+              one_minus_beta1=0.1, one_minus_beta2=0.01, bc2_sqrt=1.0, seed=3, graph_hyper=None, KIND=kind, WD=True,
+              DROP=8, QUARTERS=kind == 3, GRAPH_HYPER=False)
     states = {0: [], 1: ["state1"], 2: ["state1"], 3: ["state1", "state2"]}[kind]
     return "embfuse.optim.fused", "_fused_update_kernel", kw, written + ["weight"] + states
 

@@ -181,6 +181,35 @@ def test_a_bad_id_is_reported_and_its_batch_changes_no_table(device):
     assert not torch.equal(weights.detach(), tables)
 
 
+@pytest.mark.gpu
+def test_adam_replays_as_called_batch_by_batch_and_a_bad_batch_counts_no_step():
+    """Adam's bias corrections follow the GPU's count of steps inside the graph: the tables, their
+    state and the step count after replays, with a bad batch among them (it changes nothing and
+    counts no step, on the GPU and on the host), are those of the good batches called one by one.
+    (The dense layers do not train: a bad batch still trains them, on its zero pooled rows.)"""
+    base = EagerModel(SIZES, dim=8, hidden=(16,), device="cuda")
+    batches = [(i, o, t.cuda()) for i, o, t in _batches(SIZES, 6, B=6, L=3)]
+    capacity = max(sum(i.numel() for i in b[0]) for b in batches)
+    fast, plain = [embfuse.fx.optimize(copy.deepcopy(base), batches[0][:2], optimizer=embfuse.optim.Adam(lr=0.05))
+                   for _ in range(2)]
+    dense = torch.optim.SGD(fast.parameters(), lr=0.0)
+    step = _step(dense)
+    train = embfuse.fx.capture(fast, batches[0], step, capacity=capacity, optimizers=[dense])
+    ids, offsets, target = batches[3]
+    bad = [i.clone() for i in ids]
+    bad[1][0] = SIZES[1]  # one past the table
+    for k, batch in enumerate(batches):
+        if k == 3:
+            train(bad, offsets, target)
+            torch.cuda.synchronize()
+            with pytest.raises(embfuse.BadIdError, match="embs.1"):
+                train(*batch)
+        torch.testing.assert_close(train(*batch), step(plain, *batch), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(fast.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name, rtol=1e-5, atol=1e-6)
+    assert int(fast.state_dict()[next(k for k in fast.state_dict() if k.endswith("optimizer_step"))]) == 6
+
+
 def test_the_stale_stream_switch_is_on_only_while_capturing():
     import sys
 

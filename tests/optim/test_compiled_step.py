@@ -180,14 +180,15 @@ def test_a_copied_module_compiles_to_its_own_tables():
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_replays_the_fused_step():
+@pytest.mark.parametrize("rule", [SGD(lr=0.1), Adam(lr=0.05)], ids=["sgd", "adam"])
+def test_reduce_overhead_replays_the_fused_step(rule):
     """mode="reduce-overhead" (Inductor's CUDA graphs): warm-up, capture, then replays, each of
     which updates the tables as an eager step does. (A replay leaves the host's step count where
-    the capture left it: SGD does not read it.)"""
+    the capture left it; Adam's bias corrections follow the GPU's count, which replays advance.)"""
     def run(compiled):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = Collection(SGD(lr=0.1), "cuda")
+        model = Collection(rule, "cuda")
         step = torch.compile(model, fullgraph=True, mode="reduce-overhead") if compiled else model
         batch = Collection.batch(torch.Generator().manual_seed(1), "cuda")  # one shape: one graph
         for _ in range(5):

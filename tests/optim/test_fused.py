@@ -78,6 +78,36 @@ def test_kernel_update_is_bitwise_deterministic():
     assert all(torch.equal(results[0][0], r[0]) and torch.equal(results[0][1], r[1]) for r in results)
 
 
+@requires_kernels
+@pytest.mark.parametrize("opt,dtype", [(Adam(lr=0.05, betas=(0.8, 0.9), weight_decay=0.01), torch.float32),
+                                       (Adagrad(lr=0.1, lr_decay=0.5), torch.float32),
+                                       (SGD(lr=0.1, stochastic_rounding=True), torch.bfloat16)],
+                         ids=["adam", "adagrad-lr-decay", "sgd-stochastic-rounding"])
+def test_an_update_reads_a_graphs_step_as_it_reads_the_hosts(opt, dtype):
+    """Inside a CUDA graph the update takes its per-step hyper-parameters and seed from a float64
+    copy on the GPU that the graph advances (rules.graph_hyper): three good steps and a bad one
+    there give step 4's update bitwise, as the host's step number 4 does."""
+    from embfuse.optim.rules import HYPER_STEP
+
+    N, D, n = 20, 8, 300
+    ids = torch.randint(0, N, (n,), device=KERNEL_DEVICE)
+    src = torch.randn(n, D, device=KERNEL_DEVICE)
+    hyper = torch.tensor([*opt.hyper(1), 0], dtype=torch.float64, device=KERNEL_DEVICE)
+    for good in (1, torch.tensor(True), torch.tensor(False), 1, 1):
+        opt.graph_hyper(hyper, good)
+    assert hyper[HYPER_STEP] == 4 and opt.per_step()
+    results = []
+    for step in (4, hyper):
+        w, state = torch.randn(N, D, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE, dtype), \
+            init_state(opt, N, D, KERNEL_DEVICE)
+        apply_sparse_update(w, state, opt, ids, src, step=step, kernel=True)
+        results.append([w, *state.values()])
+    for host, graph in zip(*results):
+        assert torch.equal(host, graph)
+    before = torch.randn(N, D, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE, dtype)
+    assert not torch.equal(results[0][0], before)
+
+
 def _pair(device, mode, torch_opt, opt, N=12, D=5):
     ours = embfuse.nn.EmbeddingBag(N, D, mode=mode, optimizer=opt, device=device)
     theirs = torch.nn.EmbeddingBag(N, D, mode=mode, device=device)

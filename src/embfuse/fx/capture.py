@@ -261,7 +261,7 @@ class CapturedStep:
                     if id(t) not in known:
                         t.zero_()
         for f, step in zip(fused, steps):
-            f.step = step
+            f.set_step(step)
         self.cuda_graph = torch.cuda.CUDAGraph()
         try:
             with _stale_streams_joined(), torch.cuda.graph(self.cuda_graph):
@@ -277,7 +277,7 @@ class CapturedStep:
         # captured step counted
         self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
         for f, step in zip(fused, steps):
-            f.step = step
+            f.set_step(step)
 
     def __call__(self, *args):
         device_log(self.device).poll()  # errors that earlier replays found

@@ -94,7 +94,7 @@ class FusedModule:
                 if torch.is_tensor(step) and (step.is_floating_point() or step.numel() != 1) or int(step) < 0:
                     error_msgs.append(f"{key}: the step count must be a non-negative integer, got {step}")
                 else:
-                    self._fused.step = int(step)
+                    self._fused.set_step(int(step))
             elif strict:
                 missing_keys.append(key)
         state_dict = {k: v for k, v in state_dict.items() if k != key or self._fused is None}

@@ -18,7 +18,8 @@ from embfuse.ops.validate import check_fused_table
 from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
                                   single_table)
 from embfuse.ops import tuning
-from embfuse.optim.rules import K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, Hyper, stochastic_round_reference
+from embfuse.optim.rules import (K_ADAGRAD_KIND, K_HYPER_STEP, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, Hyper,
+                                  stochastic_round_reference)
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
@@ -163,10 +164,19 @@ def _update_tile(
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
     at, levels, weight, state1, state2, lr, eps, weight_decay, one_minus_beta1, one_minus_beta2, bc2_sqrt, seed,
+    graph_hyper,
     FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,
     COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROW_D: tl.constexpr,
-    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr,
+    KIND: tl.constexpr, WD: tl.constexpr, DROP: tl.constexpr, QUARTERS: tl.constexpr, GRAPH_HYPER: tl.constexpr,
 ):
+    if GRAPH_HYPER:  # a CUDA graph's step: the hyper-parameters and the step from its float64 copy (rules.graph_hyper)
+        lr = tl.load(graph_hyper).to(tl.float32)
+        eps = tl.load(graph_hyper + 1).to(tl.float32)
+        weight_decay = tl.load(graph_hyper + 2).to(tl.float32)
+        one_minus_beta1 = tl.load(graph_hyper + 3).to(tl.float32)
+        one_minus_beta2 = tl.load(graph_hyper + 4).to(tl.float32)
+        bc2_sqrt = tl.load(graph_hyper + 5).to(tl.float32)
+        seed = tl.load(graph_hyper + K_HYPER_STEP).to(tl.int32)
     hp = Hyper(lr, eps, weight_decay, one_minus_beta1, one_minus_beta2, bc2_sqrt)
     if FIRST:
         _update_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info,
@@ -190,13 +200,15 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     if keys.numel() == 0 or layout.max_dim == 0:
         return
     states = list(states) + [None] * (2 - len(states))  # (never read)
-    hyper = optimizer.hyper(step)
+    # `step` a tensor: a CUDA graph's copy of the hyper-parameters and step (FusedOptimizer.stepping)
+    graph = isinstance(step, torch.Tensor)
+    hyper = optimizer.hyper(1 if graph else step)
     segments = Segments(keys, layout, src, **src_args)
     columns = tuning.update_columns(optimizer.element_states)
     segments.launch(
-        _fused_update_kernel, weight, states[0], states[1], *hyper, step, KIND=optimizer.kind,
-        WD=hyper.weight_decay != 0, DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
-        QUARTERS=tuning.update_in_quarters(optimizer.element_states, segments.width(columns)))
+        _fused_update_kernel, weight, states[0], states[1], *hyper, 0 if graph else step, step if graph else None,
+        KIND=optimizer.kind, WD=hyper.weight_decay != 0, DROP=optimizer.dropped_bits(weight.dtype), columns=columns,
+        QUARTERS=tuning.update_in_quarters(optimizer.element_states, segments.width(columns)), GRAPH_HYPER=graph)
 
 
 def apply_sparse_update(weight, state, optimizer, ids, src, src_row=None, scale=None, step=1, padding_idx=-1,

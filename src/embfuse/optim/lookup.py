@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from embfuse import _handles
 from embfuse._triton import exporting, tracing, use_kernels
@@ -31,53 +32,88 @@ from embfuse.ops.errors import UnsupportedError
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_fused_table
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
-from embfuse.optim.rules import init_state
+from embfuse.optim.rules import HYPER_STEP, init_state
 
 
 class FusedOptimizer(_handles.Named):
-    """An optimizer bound to one table (or a collection's flat buffer): fp32 state, step count."""
+    """An optimizer bound to one table (or a collection's flat buffer): fp32 state, step count.
+
+    The step count is the host's (the rules' hyper-parameters go to the kernels as host scalars:
+    no device read a step). A CUDA graph replays no Python, so where the rule's hyper-parameters
+    change from step to step (`per_step`: Adam's bias corrections, Adagrad's lr_decay, stochastic
+    rounding's seed) a captured update reads them from `graph_hyper[device]`, a float64 copy on the
+    GPU (Hyper's fields, then the step), which the graph itself advances (_Rule.graph_hyper): by
+    one a replay whose batch passed its check. Every step outside a graph writes its count there
+    (one small launch), so that a capture starts from the right count."""
 
     def __init__(self, optimizer, num_embeddings: int, dim: int, device, state=None):
         self.optimizer = optimizer
         self.state = init_state(optimizer, num_embeddings, dim, device) if state is None else state
         self.step = 0
+        self.per_step = optimizer.per_step()
+        self.graph_hyper = {}  # device -> float64 (Hyper's fields, step), for rules with per_step
         self.anchor = torch.ones((), requires_grad=True)
         self.calls = {}  # this optimizer's _Calls
         _handles.register(self)  # (named in traced graphs)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "calls": {}}  # (a copy makes its own calls)
+        return {**super().__getstate__(), "calls": {}, "graph_hyper": {}}  # (a copy makes its own)
+
+    def set_step(self, step: int) -> None:
+        """Set the step count (a checkpoint's; fx.capture putting back its warm-up's steps)."""
+        self.step = step
+        for hyper in self.graph_hyper.values():
+            hyper[HYPER_STEP].fill_(step)
 
     @contextlib.contextmanager
-    def stepping(self, check):
-        """The step number of one backward's update, whose batch had `check` (a deferred Check,
-        or None); None when the batch is already known bad (nothing to do). A step counts once
-        the update returns: an update that raises leaves the count as it was, and one whose
-        batch is found bad later is taken back then (ops/validate.py calls the undo)."""
+    def stepping(self, check, status, device):
+        """What one backward's update reads as its step, whose batch had `check` (a deferred
+        Check, or None) and `status` (its status tensor, or None) on `device`: the step number,
+        or inside a CUDA-graph capture of a rule with per-step hyper-parameters its graph_hyper
+        tensor; None when the batch is already known bad (nothing to do). A step counts once the
+        update returns: an update that raises leaves the count as it was, and one whose batch is
+        found bad later is taken back then (ops/validate.py calls the undo)."""
         if check is not None and check.bad:
             yield None
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and self._changes_every_step():
-            raise RuntimeError(
-                f"{type(self.optimizer).__name__}: a CUDA graph replays the hyper-parameters of the step it "
-                f"captured, and this rule's change every step (bias corrections, lr_decay, stochastic rounding's "
-                f"seed): its fused update cannot be captured. SGD and Adagrad / RowWiseAdagrad without lr_decay "
-                f"can (replays do not advance the host's step count, which they do not read).")
         self.step += 1
         try:
-            yield self.step
+            yield self._graph_step(status, device) if self.per_step and device.type == "cuda" else self.step
         except BaseException:
             self.step -= 1
             raise
         if check is not None and check.bad is None:
             check.undo.append(self._undo_step)
 
-    def _changes_every_step(self) -> bool:
-        rule = self.optimizer
-        return getattr(rule, "stochastic_rounding", False) or rule.hyper(1) != rule.hyper(2)
+    def _graph_step(self, status, device):
+        hyper = self.graph_hyper.get(device)
+        if torch.cuda.is_current_stream_capturing():
+            if hyper is None:
+                raise RuntimeError(
+                    f"{type(self.optimizer).__name__}: run a training step outside the CUDA graph before capturing "
+                    f"it (a warm-up, as torch.cuda.graph asks): the graph reads this rule's per-step hyper-parameters "
+                    f"from the GPU's copy of the step count, which that step makes")
+            self.optimizer.graph_hyper(hyper, 1 if status is None else status[0] == 0)
+            return hyper
+        if hyper is None:
+            hyper = self.step_copy(device)
+        hyper[HYPER_STEP].fill_(self.step)
+        return self.step
+
+    def step_copy(self, device) -> torch.Tensor:
+        """The graph_hyper tensor of `device`, made if missing (a real tensor even under a trace:
+        it outlives it)."""
+        hyper = self.graph_hyper.get(device)
+        if hyper is None:
+            with _disable_current_modes():
+                hyper = self.graph_hyper[device] = torch.tensor([*self.optimizer.hyper(1), self.step],
+                                                                dtype=torch.float64, device=device)
+        return hyper
 
     def _undo_step(self):
         self.step -= 1
+        if self.graph_hyper and not torch.cuda.is_current_stream_capturing():
+            self.set_step(self.step)
 
 
 def _status(check):
@@ -203,6 +239,16 @@ def _handle(kind: str, fused: int, *static) -> int:
     return _call(_KINDS[kind], _handles.lookup(fused), *map(_handles.from_constant, static)).handle
 
 
+@torch.compiler.assume_constant_result
+def _prepare_step_copy(fused: int, device: str) -> bool:
+    """Make the GPU's copy of a step count while a graph is traced (plain Python), not when it
+    first runs: Inductor's CUDA graphs (mode="reduce-overhead") run a graph's first call inside
+    their memory pool, which must hold nothing alive after it (as ops/deferred.py prepare_log)."""
+    if device.startswith("cuda"):
+        _handles.lookup(fused).step_copy(torch.device(device))
+    return True
+
+
 class _Fused(torch.autograd.Function):
     """Eager calls: the forward of `call`; the backward takes the inputs' gradients, then
     updates the rows in place under the optimizer's step count."""
@@ -221,7 +267,7 @@ class _Fused(torch.autograd.Function):
         grads = [None] * len(tensors)
         if any(ctx.needs_input_grad[5:]):
             grads = call.input_grads(ctx.weight, tensors, out, grad, status)
-        with call.fused.stepping(ctx.check) as step:
+        with call.fused.stepping(ctx.check, status, ctx.weight.device) as step:
             if step is not None:
                 call.update(ctx.weight, call.fused.state, tensors, grad, status, step, ctx.size)
         return (None,) * 5 + tuple(grads)
@@ -236,6 +282,8 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
             raise UnsupportedError("a lookup with a fused optimizer cannot be exported; export under torch.no_grad() "
                                    "for inference, which exports the plain lookup")
         handle = _handle(kind.__name__, fused._embfuse_handle, *map(_handles.as_constant, static))
+        if fused.per_step:
+            _prepare_step_copy(fused._embfuse_handle, str(weight.device))
         return _fused_lookup_op(fused.anchor, weight, list(fused.state.values()), *tensors, _status(check), handle,
                                 size)
     return _Fused.apply(fused.anchor, weight, _call(kind, fused, *static), check, size, *tensors)
@@ -245,7 +293,8 @@ def _lookup(kind, fused: FusedOptimizer, static, weight, check, size, *tensors):
 # The forward op's backward is an op that mutates the table and its state: AOTAutograd keeps it
 # in the compiled backward. Inside a graph the check is only its status: a batch found bad later
 # updates nothing, and its step is taken back as in eager calls (FusedOptimizer.stepping), by the
-# check the status copy leads to (ops/deferred.py status_copy); CUDA-graph replays count no step.
+# check the status copy leads to (ops/deferred.py status_copy); CUDA-graph replays count no step on
+# the host (the GPU's count of a rule with per-step hyper-parameters advances: FusedOptimizer).
 
 @torch.library.custom_op("embfuse::fused_lookup", mutates_args=())
 def _fused_lookup_op(anchor: Tensor, weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
@@ -276,7 +325,7 @@ def _(weight, first, second, third, out, grad, status, handle):
 def _update_op(weight: Tensor, state: list[Tensor], first: Tensor, second: Optional[Tensor],
                third: Optional[Tensor], grad: Tensor, status: Optional[Tensor], handle: int, size: int) -> None:
     call = _handles.lookup(handle)
-    with call.fused.stepping(check_of(status)) as step:
+    with call.fused.stepping(check_of(status), status, weight.device) as step:
         if step is not None:
             call.update(weight, dict(zip(call.fused.state, state)), (first, second, third), grad, status, step, size)
 

@@ -30,7 +30,8 @@ K_SGD_KIND, K_ADAGRAD_KIND, K_ROWWISE_ADAGRAD_KIND, K_ADAM_KIND = constexprs(0, 
 class Hyper(NamedTuple):
     """A rule's hyper-parameters for one step, by name: what the fused kernels read (the update
     kernel takes these fields as its scalar arguments, in this order, and hands them on as one
-    Hyper). A new hyper-parameter is a field here and in `_fused_update_kernel`'s signature."""
+    Hyper). A new hyper-parameter is a field here and in `_fused_update_kernel`'s signature and
+    GRAPH_HYPER loads."""
 
     lr: float
     eps: float = 0.0
@@ -40,12 +41,21 @@ class Hyper(NamedTuple):
     one_minus_beta1: float = 0.0
     one_minus_beta2: float = 0.0
     bc2_sqrt: float = 1.0  # sqrt of Adam's second bias correction
+
+
+HYPER_STEP = len(Hyper._fields)  # the step's place after Hyper's fields in a graph's float64 copy (_Rule.graph_hyper)
+(K_HYPER_STEP,) = constexprs(HYPER_STEP)
 # mantissa bits that rounding an fp32 value to the table's dtype drops
 DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
 
 # hyper-parameters that must be finite and >= 0, as torch.optim requires of its own
 NON_NEGATIVE = ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value")
+
+
+def _sqrt(x):
+    """math.sqrt, or torch.sqrt of a step's tensor (graph_hyper): no read back to the host."""
+    return x.sqrt() if isinstance(x, torch.Tensor) else math.sqrt(x)
 
 
 def _number(rule: str, name: str, value) -> float:
@@ -90,6 +100,25 @@ class _Rule:
     def dropped_bits(self, dtype) -> int:
         """Bits to round away at random when storing to `dtype` (0: round to nearest)."""
         return DROPPED_BITS.get(dtype, 0) if self.stochastic_rounding else 0
+
+    def per_step(self) -> tuple[int, ...]:
+        """The fields of `hyper` that change from step to step (bias corrections, lr_decay), and
+        HYPER_STEP when the update reads the step itself (stochastic rounding's seed): what a
+        CUDA graph must take from the GPU's count of steps (graph_hyper)."""
+        first, second = self.hyper(1), self.hyper(2)
+        fields = tuple(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        return fields + ((HYPER_STEP,) if self.stochastic_rounding or fields else ())
+
+    def graph_hyper(self, hyper: torch.Tensor, good) -> None:
+        """Inside a CUDA graph: advance the step count held in `hyper` (float64: Hyper's fields,
+        then the step; FusedOptimizer keeps it) by `good` (1, or a device bool: the batch passed
+        its check) and write the fields that follow it, with torch ops the graph replays. The
+        same formulas as `hyper`, in float64 on the GPU."""
+        hyper[HYPER_STEP].add_(good)
+        fields = self.hyper(hyper[HYPER_STEP])
+        for i in self.per_step():
+            if i != HYPER_STEP:
+                hyper[i].copy_(fields[i])
 
 
 def stochastic_round_reference(x: torch.Tensor, dtype, drop: int, seed: int) -> torch.Tensor:
@@ -185,7 +214,7 @@ class Adam(_Rule):
         """lr arrives divided by the first bias correction."""
         b1, b2 = self.betas
         return Hyper(lr=self.lr / (1 - b1**step), eps=self.eps, weight_decay=self.weight_decay, one_minus_beta1=1 - b1,
-                     one_minus_beta2=1 - b2, bc2_sqrt=math.sqrt(1 - b2**step))
+                     one_minus_beta2=1 - b2, bc2_sqrt=_sqrt(1 - b2**step))
 
     def update(self, w, g, state, step):
         lr_t, eps, _, c1, c2, bc2_sqrt = self.hyper(step)
