@@ -86,19 +86,17 @@ class FusedOptimizer(_handles.Named):
             check.undo.append(self._undo_step)
 
     def _graph_step(self, status, device):
+        if not torch.cuda.is_current_stream_capturing():
+            self.step_copy(device)[HYPER_STEP].fill_(self.step)
+            return self.step
         hyper = self.graph_hyper.get(device)
-        if torch.cuda.is_current_stream_capturing():
-            if hyper is None:
-                raise RuntimeError(
-                    f"{type(self.optimizer).__name__}: run a training step outside the CUDA graph before capturing "
-                    f"it (a warm-up, as torch.cuda.graph asks): the graph reads this rule's per-step hyper-parameters "
-                    f"from the GPU's copy of the step count, which that step makes")
-            self.optimizer.graph_hyper(hyper, 1 if status is None else status[0] == 0)
-            return hyper
         if hyper is None:
-            hyper = self.step_copy(device)
-        hyper[HYPER_STEP].fill_(self.step)
-        return self.step
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__}: run a training step outside the CUDA graph before capturing "
+                f"it (a warm-up, as torch.cuda.graph asks): the graph reads this rule's per-step hyper-parameters "
+                f"from the GPU's copy of the step count, which that step makes")
+        self.optimizer.graph_hyper(hyper, 1 if status is None else status[0] == 0)
+        return hyper
 
     def step_copy(self, device) -> torch.Tensor:
         """The graph_hyper tensor of `device`, made if missing (a real tensor even under a trace:
