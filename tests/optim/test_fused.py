@@ -345,6 +345,19 @@ def test_a_step_counts_only_once_its_update_ran(monkeypatch):
     assert m._fused.step == 1
 
 
+def test_a_loaded_step_count_reaches_the_gpus_copy():
+    """load_state_dict sets the count that a CUDA graph's update starts from (FusedOptimizer.graph_hyper,
+    made here on the CPU: the GPU's is made by the first step there), not only the host's."""
+    from embfuse.optim.rules import HYPER_STEP
+
+    m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adam(lr=0.01))
+    m(torch.tensor([[1, 2]])).sum().backward()
+    copy = m._fused.step_copy(torch.device("cpu"))
+    assert copy[HYPER_STEP] == 1
+    m.load_state_dict({**m.state_dict(), "optimizer_step": torch.tensor(7)})
+    assert m._fused.step == 7 and copy[HYPER_STEP] == 7
+
+
 def test_dtype_conversions_leave_optimizer_state_float32():
     m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adam(lr=0.01))
     m(torch.tensor([[1, 2]])).sum().backward()
