@@ -41,7 +41,7 @@ class FusedOptimizer(_handles.Named):
     The step count is the host's (the rules' hyper-parameters go to the kernels as host scalars:
     no device read a step). A CUDA graph replays no Python, so where the rule's hyper-parameters
     change from step to step (`per_step`: Adam's bias corrections, Adagrad's lr_decay, stochastic
-    rounding's seed) a captured update reads them from `graph_hyper[device]`, a float64 copy on the
+    rounding's seed) a captured update reads them from `step_copies[device]`, a float64 copy on the
     GPU (Hyper's fields, then the step), which the graph itself advances (_Rule.graph_hyper): by
     one a replay whose batch passed its check. Every step outside a graph writes its count there
     (one small launch), so that a capture starts from the right count."""
@@ -51,25 +51,25 @@ class FusedOptimizer(_handles.Named):
         self.state = init_state(optimizer, num_embeddings, dim, device) if state is None else state
         self.step = 0
         self.per_step = optimizer.per_step()
-        self.graph_hyper = {}  # device -> float64 (Hyper's fields, step), for rules with per_step
+        self.step_copies = {}  # device -> float64 (Hyper's fields, step), for rules with per_step
         self.anchor = torch.ones((), requires_grad=True)
         self.calls = {}  # this optimizer's _Calls
         _handles.register(self)  # (named in traced graphs)
 
     def __getstate__(self):
-        return {**super().__getstate__(), "calls": {}, "graph_hyper": {}}  # (a copy makes its own)
+        return {**super().__getstate__(), "calls": {}, "step_copies": {}}  # (a copy makes its own)
 
     def set_step(self, step: int) -> None:
         """Set the step count (a checkpoint's; fx.capture putting back its warm-up's steps)."""
         self.step = step
-        for hyper in self.graph_hyper.values():
+        for hyper in self.step_copies.values():
             hyper[HYPER_STEP].fill_(step)
 
     @contextlib.contextmanager
     def stepping(self, check, status, device):
         """What one backward's update reads as its step, whose batch had `check` (a deferred
         Check, or None) and `status` (its status tensor, or None) on `device`: the step number,
-        or inside a CUDA-graph capture of a rule with per-step hyper-parameters its graph_hyper
+        or inside a CUDA-graph capture of a rule with per-step hyper-parameters its step_copy
         tensor; None when the batch is already known bad (nothing to do). A step counts once the
         update returns: an update that raises leaves the count as it was, and one whose batch is
         found bad later is taken back then (ops/validate.py calls the undo)."""
@@ -89,7 +89,7 @@ class FusedOptimizer(_handles.Named):
         if not torch.cuda.is_current_stream_capturing():
             self.step_copy(device)[HYPER_STEP].fill_(self.step)
             return self.step
-        hyper = self.graph_hyper.get(device)
+        hyper = self.step_copies.get(device)
         if hyper is None:
             raise RuntimeError(
                 f"{type(self.optimizer).__name__}: run a training step outside the CUDA graph before capturing "
@@ -99,18 +99,18 @@ class FusedOptimizer(_handles.Named):
         return hyper
 
     def step_copy(self, device) -> torch.Tensor:
-        """The graph_hyper tensor of `device`, made if missing (a real tensor even under a trace:
+        """The step_copies tensor of `device`, made if missing (a real tensor even under a trace:
         it outlives it)."""
-        hyper = self.graph_hyper.get(device)
+        hyper = self.step_copies.get(device)
         if hyper is None:
             with _disable_current_modes():
-                hyper = self.graph_hyper[device] = torch.tensor([*self.optimizer.hyper(1), self.step],
+                hyper = self.step_copies[device] = torch.tensor([*self.optimizer.hyper(1), self.step],
                                                                 dtype=torch.float64, device=device)
         return hyper
 
     def _undo_step(self):
         self.step -= 1
-        if self.graph_hyper and not torch.cuda.is_current_stream_capturing():
+        if self.step_copies and not torch.cuda.is_current_stream_capturing():
             self.set_step(self.step)
 
 
