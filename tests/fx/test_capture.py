@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import embfuse
 import embfuse.fx
 from embfuse.bench.eager import EagerModel, eager_batch
+from embfuse.ops.deferred import device_log
 from tests.conftest import DEVICES
 from tests.fx.test_optimize import Mixed, _inputs
 
@@ -182,11 +183,13 @@ def test_a_bad_id_is_reported_and_its_batch_changes_no_table(device):
 
 
 @pytest.mark.gpu
-def test_adam_replays_as_called_batch_by_batch_and_a_bad_batch_counts_no_step():
+def test_adam_replays_as_called_batch_by_batch_and_a_bad_batch_counts_no_step(monkeypatch):
     """Adam's bias corrections follow the GPU's count of steps inside the graph: the tables, their
-    state and the step count after replays, with a bad batch among them (it changes nothing and
-    counts no step, on the GPU and on the host), are those of the good batches called one by one.
-    (The dense layers do not train: a bad batch still trains them, on its zero pooled rows.)"""
+    state and the step count after replays, with bad batches among them (they change nothing and
+    count no step, on the GPU and on the host), are those of the good batches called one by one.
+    Two bad replays and a good one before the host looks are reported together, and each takes its
+    step back. (The dense layers do not train: a bad batch still trains them, on its zero pooled
+    rows.)"""
     base = EagerModel(SIZES, dim=8, hidden=(16,), device="cuda")
     batches = [(i, o, t.cuda()) for i, o, t in _batches(SIZES, 6, B=6, L=3)]
     capacity = max(sum(i.numel() for i in b[0]) for b in batches)
@@ -204,6 +207,16 @@ def test_adam_replays_as_called_batch_by_batch_and_a_bad_batch_counts_no_step():
             torch.cuda.synchronize()
             with pytest.raises(embfuse.BadIdError, match="embs.1"):
                 train(*batch)
+        if k == 4:  # (the host looks only after all three replays)
+            with monkeypatch.context() as m:
+                m.setattr(type(device_log("cuda")), "poll", lambda log: None)
+                train(bad, offsets, target)
+                train(bad, offsets, target)
+                torch.testing.assert_close(train(*batch), step(plain, *batch), rtol=1e-5, atol=1e-6)
+            torch.cuda.synchronize()
+            with pytest.raises(embfuse.BadIdError, match=r"deferred: 2 replay\(s\) of the CUDA graph"):
+                train(*batches[5])
+            continue
         torch.testing.assert_close(train(*batch), step(plain, *batch), rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(fast.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name, rtol=1e-5, atol=1e-6)

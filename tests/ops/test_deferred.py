@@ -301,6 +301,48 @@ def test_single_table_bad_batch_gradient_is_zero_and_dense_grad_safe():
         check_errors()
 
 
+@requires_kernels
+def test_a_graphs_check_counts_its_bad_replays_and_a_good_replay_hides_none(monkeypatch):
+    """A check captured into a CUDA graph runs again at every replay with the same ring slot. The
+    ring word counts the bad replays, so a good replay after a bad one hides nothing, and the host
+    reports each bad replay once. Its undo hooks run once a bad replay only where the host counted
+    the replays (embfuse.fx.capture). (Interpreter: the check's kernel launched as a replay would.)"""
+    log = device_log(KERNEL_DEVICE)
+    log.poll()
+    monkeypatch.setattr(deferred, "tracing", lambda: True)  # a graph's slot, as under a capture
+    check = log.start(lambda: None, "the test's", fresh=False)  # (finds nothing now: the message says what the GPU saw)
+    monkeypatch.undo()
+    undone = []
+    check.undo.append(lambda: undone.append(1))
+    ids = torch.tensor([1, 2, 3], device=KERNEL_DEVICE)
+
+    def replay(second):
+        ids[1] = second
+        check.status.zero_()
+        deferred.launch_ids_check(log, check, ids, None, 5)
+
+    try:
+        replay(7)
+        replay(2)
+        with pytest.raises(embfuse.BadIdError, match=r"deferred: 1 replay\(s\) of the CUDA graph that captured"):
+            log.poll()
+        log.poll()  # (reported once)
+        replay(9)
+        replay(-1)
+        replay(4)
+        with pytest.raises(embfuse.BadIdError, match=r"#\d+ had an out-of-range id \[deferred: 2 replay\(s\)"):
+            log.poll()
+        assert undone == []  # a raw graph's replays count no step: nothing to take back
+        check.replays_counted = True
+        replay(5)
+        replay(5)
+        with pytest.raises(embfuse.BadIdError, match=r"deferred: 2 replay\(s\)"):
+            log.poll()
+        assert undone == [1, 1]
+    finally:
+        log.graph_checks.remove(check)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_of_a_bad_batch_is_reported_at_the_next_check():
     dev = "cuda"
@@ -326,6 +368,13 @@ def test_cuda_graph_replay_of_a_bad_batch_is_reported_at_the_next_check():
     ids[2, 1] = good
     g.replay()
     check_errors()  # good again
+    assert torch.equal(out, ref)
+    ids[2, 1] = -1
+    g.replay()
+    ids[2, 1] = good
+    g.replay()  # (a good replay before the host looks hides nothing)
+    with pytest.raises(IndexError, match=r"out-of-range id \[deferred: 1 replay\(s\) of the CUDA graph"):
+        check_errors()
     assert torch.equal(out, ref)
     assert len(device_log(dev).graph_checks) >= 1
 

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -355,6 +357,38 @@ def test_a_loaded_step_count_reaches_the_gpus_copy():
     assert copy[HYPER_STEP] == 1
     m.load_state_dict({**m.state_dict(), "optimizer_step": torch.tensor(7)})
     assert m._fused.step == 7 and copy[HYPER_STEP] == 7
+
+
+@pytest.mark.gpu
+def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
+    """torch.cuda.graph of a fused Adam step: a bad replay, once reported, takes nothing back (it
+    advanced neither count), so the replays after it train as the good batches' steps run eagerly.
+    (The report once wrote the host's count, which raw replays do not advance, over the GPU's.)"""
+    torch.manual_seed(0)
+    m = embfuse.nn.EmbeddingBag(50, 8, mode="sum", optimizer=Adam(lr=0.1), device="cuda")
+    ids = torch.randint(0, 50, (16, 3), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm-up step, outside the graph
+        m(ids).square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = copy.deepcopy(m)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m(ids).square().sum().backward()
+    for k in range(4):
+        if k == 1:
+            ids[2, 1] = 50
+            graph.replay()
+            with pytest.raises(embfuse.BadIdError, match=r"deferred: 1 replay\(s\)"):
+                embfuse.check_errors()
+        ids.copy_(torch.randint(0, 50, (16, 3), device="cuda"))
+        graph.replay()
+        eager(ids).square().sum().backward()
+    embfuse.check_errors()
+    for name, value in eager.state_dict().items():
+        if name != "optimizer_step":  # (raw replays do not advance the host's count)
+            torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_dtype_conversions_leave_optimizer_state_float32():

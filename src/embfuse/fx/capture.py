@@ -27,10 +27,11 @@ The returned outputs are the graph's static tensors: the next call overwrites th
 exceeds the capacity, has another batch size or a wider id dtype, or has bad offsets raises at
 the call, from host data, before anything is copied. A bad id is found on the device by the
 graph's own check and raised by the first call after the GPU has run it (or by
-`embfuse.check_errors()`, which waits). That batch changes no table or optimizer state
-(ops/deferred.py), though it still counts in the fused optimizers' step counts, which a call
-advances on the host by what the captured step counted. Captured fused optimizers must keep
-their hyper-parameters fixed (capturing Adam raises; see optim/lookup.py).
+`embfuse.check_errors()`, which waits), together with any other bad replay since the last
+report. That batch changes no table or optimizer state (ops/deferred.py) and counts no step: a
+call advances the fused optimizers' step counts on the host by what the captured step counted,
+and the report of a bad replay takes that back. Rules whose hyper-parameters change every step
+(Adam) read them from the GPU's own count inside the graph (optim/lookup.py).
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ class CapturedStep:
         for f, step in zip(fused, steps):
             f.set_step(step)
         self.cuda_graph = torch.cuda.CUDAGraph()
+        log = device_log(self.device)
+        known_checks = len(log.graph_checks)
         try:
             with _stale_streams_joined(), torch.cuda.graph(self.cuda_graph):
                 self.outputs = self._run(inputs)
@@ -278,6 +281,8 @@ class CapturedStep:
         self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
         for f, step in zip(fused, steps):
             f.set_step(step)
+        for check in log.graph_checks[known_checks:]:  # (a bad replay takes its steps back: DeviceLog.poll)
+            check.replays_counted = True
 
     def __call__(self, *args):
         device_log(self.device).poll()  # errors that earlier replays found

@@ -13,7 +13,7 @@ after the GPU has checked the batch, and at the latest by `embfuse.check_errors(
 Inside torch.compile graphs and CUDA-graph captures the check runs as well (its status is then a
 fresh tensor of the graph); a bad replay is reported by the next eager check point.
 
-`run_check` is the mode logic every validation shares (ops/validate.py calls it).
+The mode logic every validation shares is ops/validate.py's `run_check`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import functools
 import sys
 import threading
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -51,13 +51,19 @@ def capturing(t: torch.Tensor) -> bool:
 @triton.jit
 def _report(status, ring, slot, seq, flags, programs):
     """Every program of a check (`programs` of them) ORs its flags into status[0] and takes a
-    ticket from status[1]; the last one writes seq * 16 + (all flags) into ring[slot], the host's
-    pinned memory, where the host reads it without waiting."""
+    ticket from status[1]; the last one writes the verdict into ring[slot], the host's pinned
+    memory, where the host reads it without waiting: an eager call's seq * 16 + (all flags); a
+    CUDA graph's check (a slot past K_RING) counts its bad replays in the word's upper bits, the
+    last one's flags below, so that a good replay after a bad one hides nothing (DeviceLog.poll)."""
     tl.atomic_or(status, flags, mask=flags != 0)
     ticket = tl.atomic_add(status + 1, 1, sem="acq_rel")
     if ticket == programs - 1:
         total = tl.atomic_or(status, 0, sem="acquire")
-        tl.store(ring + slot, seq.to(tl.int64) * 16 + total)
+        if slot < K_RING:
+            tl.store(ring + slot, seq.to(tl.int64) * 16 + total)
+        elif total != 0:  # (one replay at a time on its stream: the graph is this word's only writer)
+            count = tl.load(ring + slot, volatile=True) >> 4
+            tl.store(ring + slot, (count + 1) * 16 + total)
 
 
 @triton.jit
@@ -289,14 +295,24 @@ class Check:
     what the host needs to report it: the call's number, its ring slot, a function that finds
     the first bad entry and raises, and hooks to undo host state (a fused step count) if the
     batch turns out bad. `pending`: the check's own launch while it is not made yet (run_check
-    `fold`): a kernel that folds the check in takes it (take_fold); reading `status` makes it."""
+    `fold`): a kernel that folds the check in takes it (take_fold); reading `status` makes it.
+    A check captured into a CUDA graph (`in_graph`) reports each bad replay: `reported` counts
+    those the host has raised, and its undo hooks run once a bad replay when `replays_counted`
+    (embfuse.fx.capture counts the graph's replays in the host's step counts; a raw replay
+    advances none, so there is nothing to take back)."""
 
-    __slots__ = ("_status", "seq", "slot", "raise_error", "undo", "what", "bad", "pending", "log")
+    __slots__ = ("_status", "seq", "slot", "raise_error", "undo", "what", "bad", "pending", "log", "reported",
+                 "replays_counted")
 
     def __init__(self, status, seq, slot, raise_error, what, log):
         self._status, self.seq, self.slot, self.raise_error, self.what = status, seq, slot, raise_error, what
         # bad: None while the verdict is not known, True / False once the host has read it
         self.undo, self.bad, self.pending, self.log = [], None, None, log
+        self.reported, self.replays_counted = 0, False
+
+    @property
+    def in_graph(self) -> bool:
+        return self.slot >= RING
 
     @property
     def status(self) -> torch.Tensor:
@@ -415,10 +431,10 @@ class DeviceLog:
                 check.bad = False
                 check.undo.clear()
         for check in self.graph_checks:
-            word = int(self.host[check.slot])
-            if word & 15:
-                self.host[check.slot] = 0
-                self._fail(check, word & 15)
+            bad = int(self.host[check.slot])  # (bad replays so far) * 16 + the last one's flags (_report)
+            if bad >> 4 > check.reported:
+                replays, check.reported = (bad >> 4) - check.reported, bad >> 4
+                self._fail(check, bad & 15, replays)
 
     def wait(self) -> None:
         """Wait for the GPU, then report every call it has checked."""
@@ -426,27 +442,37 @@ class DeviceLog:
             torch.cuda.synchronize(self.device)
         self.poll()
 
-    def _fail(self, check: Check, flags) -> None:
+    def _fail(self, check: Check, flags, replays: int = 0) -> None:
         """Raise the error of a call the GPU found bad (flags None: the verdict was lost to a
-        ring that went round; the inputs are asked again)."""
-        note = (f" [deferred: the batch of {check.what} call #{check.seq} on {self.device}; nothing was "
-                f"pooled or updated from it]")
+        ring that went round; the inputs are asked again), or of `replays` new bad replays of a
+        CUDA graph's check (flags: the last one's)."""
+        if replays:
+            call = f"{replays} replay(s) of the CUDA graph that captured {check.what} call #{check.seq}"
+            note = f" [deferred: {call} on {self.device}; nothing was pooled or updated from them]"
+        else:
+            call = f"{check.what} call #{check.seq}"
+            note = f" [deferred: the batch of {call} on {self.device}; nothing was pooled or updated from it]"
         try:
-            check.raise_error()
+            check.raise_error()  # (a graph's: its inputs as they are now, the last replay's if nothing changed them)
         except (BadIdError, BadBatchError) as e:
-            self._mark_bad(check)
+            self._mark_bad(check, replays)
             raise type(e)(str(e) + note) from None
         if flags is None:  # lost, and the inputs are good
             check.bad = False
             check.undo.clear()
             return
-        self._mark_bad(check)  # the inputs changed since: say what the GPU saw
+        self._mark_bad(check, replays)  # the inputs changed since: say what the GPU saw
         if flags & BAD_OFFSETS:
-            raise BadBatchError(f"{check.what} call #{check.seq} had bad offsets or lengths{note}")
-        raise BadIdError(f"{check.what} call #{check.seq} had an out-of-range id{note}")
+            raise BadBatchError(f"{call} had bad offsets or lengths{note}")
+        raise BadIdError(f"{call} had an out-of-range id{note}")
 
     @staticmethod
-    def _mark_bad(check: Check) -> None:
+    def _mark_bad(check: Check, replays: int) -> None:
+        if check.in_graph:  # (stays: every later replay is checked too)
+            for _ in range(replays if check.replays_counted else 0):
+                for undo in check.undo:
+                    undo()
+            return
         check.bad = True
         for undo in check.undo:
             undo()
@@ -524,36 +550,6 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         num_warps=tuning.CHECK_WARPS)
 
 
-def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
-              raise_error: Callable, what: str, fresh: bool, fold: bool = False):
-    """The mode logic shared by every check: returns (status tensor or None, flags or None).
-
-    Without kernels (CPU) the torch-op flags are computed at once and errors raised at once.
-    With kernels the check is launched; "deferred" returns its status without reading it,
-    "sync" and "skip" read the flags (a synchronisation) and raise on anything "skip" cannot
-    drop. `launch_check(log, check)` launches the kernel; `flags_reference()` gives the flags
-    with torch ops; `raise_error()` raises the exact error (slow path). `fold` ("deferred",
-    eager): leave the launch pending in the Check (a lookup kernel may run it, take_fold)."""
-    if device.type == "meta":  # shapes without data (TorchRec builds models there): nothing to check
-        return None, 0
-    if not kernel:
-        flags = flags_reference()
-    else:
-        log = device_log(device)
-        deferred = bounds_check == "deferred"
-        check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
-        if deferred and fold and check.slot < RING:  # (not in a graph: its launches cost no host time)
-            check.pending = functools.partial(launch_check, log, check)
-            return check, None
-        launch_check(log, check)
-        if deferred:
-            return check, None
-        flags = int(check.status[0].item())
-    if flags:
-        raise_error()  # under "skip", only what it cannot drop
-    return None, flags
-
-
 class TracedCheck:
     """The check of a call inside a torch.compile graph: only its status (the custom op's
     output); the op's body, run by the compiled code at every call, is the eager check."""
@@ -563,10 +559,6 @@ class TracedCheck:
 
     def __init__(self, status):
         self.status = status
-
-
-def traced_mode(bounds_check: str) -> str:
-    return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
 
 
 # the status copies that compiled graphs' check ops return (ops/validate.py), each to its eager Check,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,8 +36,7 @@ from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value, torch_cpu
 from embfuse._handles import join_names, split_names
 from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
-                                  graph_check_op, prepare_log, run_check, status_copy,
-                                  traced_mode)
+                                  graph_check_op, prepare_log, status_copy)
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 from embfuse.ops import tuning
 
@@ -250,10 +249,45 @@ def _collection_flags_reference(values, offsets, limits, B) -> int:
 
 # ---- the one core: modes, the deferred check, skip compaction ----
 
+def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, flags_reference: Callable,
+              raise_error: Callable, what: str, fresh: bool, fold: bool = False):
+    """The mode logic shared by every check: returns (status tensor or None, flags or None).
+
+    Without kernels (CPU) the torch-op flags are computed at once and errors raised at once.
+    With kernels the check is launched; "deferred" returns its status without reading it,
+    "sync" and "skip" read the flags (a synchronisation) and raise on anything "skip" cannot
+    drop. `launch_check(log, check)` launches the kernel; `flags_reference()` gives the flags
+    with torch ops; `raise_error()` raises the exact error (slow path). `fold` ("deferred",
+    eager): leave the launch pending in the Check (a lookup kernel may run it, take_fold)."""
+    if device.type == "meta":  # shapes without data (TorchRec builds models there): nothing to check
+        return None, 0
+    if not kernel:
+        flags = flags_reference()
+    else:
+        log = device_log(device)
+        deferred = bounds_check == "deferred"
+        check = log.start(raise_error, what, fresh=fresh or not deferred, track=deferred)
+        if deferred and fold and not check.in_graph:  # (not in a graph: its launches cost no host time)
+            check.pending = functools.partial(launch_check, log, check)
+            return check, None
+        launch_check(log, check)
+        if deferred:
+            return check, None
+        flags = int(check.status[0].item())
+    if flags:
+        raise_error()  # under "skip", only what it cannot drop
+    return None, flags
+
+
+
+def traced_mode(bounds_check: str) -> str:
+    return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
+
+
 def _validate(values, bounds_check, fresh, kernel, what, launch_check, flags_reference, raise_error, keep, message,
               fold=False):
     """What every validation does once its arguments are checked: run the check in its mode
-    (ops/deferred.py run_check) and, when "skip" found bad ids, warn once, naming the first.
+    (run_check) and, when "skip" found bad ids, warn once, naming the first.
     Returns (the deferred Check or None, the mask of ids to keep when some are to be dropped,
     else None). keep(): that mask; message(): (the first bad id's message, how many)."""
     if kernel is None:

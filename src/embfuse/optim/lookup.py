@@ -72,7 +72,8 @@ class FusedOptimizer(_handles.Named):
         or inside a CUDA-graph capture of a rule with per-step hyper-parameters its step_copy
         tensor; None when the batch is already known bad (nothing to do). A step counts once the
         update returns: an update that raises leaves the count as it was, and one whose batch is
-        found bad later is taken back then (ops/validate.py calls the undo)."""
+        found bad later is taken back then (DeviceLog calls the undo; for a check captured into a
+        CUDA graph, at each bad replay that embfuse.fx.capture counted)."""
         if check is not None and check.bad:
             yield None
             return
@@ -83,7 +84,7 @@ class FusedOptimizer(_handles.Named):
             self.step -= 1
             raise
         if check is not None and check.bad is None:
-            check.undo.append(self._undo_step)
+            check.undo.append(self._uncount_replay if check.in_graph else self._undo_step)
 
     def _graph_step(self, status, device):
         if not torch.cuda.is_current_stream_capturing():
@@ -112,6 +113,10 @@ class FusedOptimizer(_handles.Named):
         self.step -= 1
         if self.step_copies and not torch.cuda.is_current_stream_capturing():
             self.set_step(self.step)
+
+    def _uncount_replay(self):
+        """A bad replay's step off the host's count; the GPU's copy never counted it."""
+        self.step -= 1
 
 
 def _status(check):
