@@ -321,26 +321,28 @@ def test_a_graphs_check_counts_its_bad_replays_and_a_good_replay_hides_none(monk
         check.status.zero_()
         deferred.launch_ids_check(log, check, ids, None, 5)
 
-    try:
-        replay(7)
-        replay(2)
-        with pytest.raises(embfuse.BadIdError, match=r"deferred: 1 replay\(s\) of the CUDA graph that captured"):
-            log.poll()
-        log.poll()  # (reported once)
-        replay(9)
-        replay(-1)
-        replay(4)
-        with pytest.raises(embfuse.BadIdError, match=r"#\d+ had an out-of-range id \[deferred: 2 replay\(s\)"):
-            log.poll()
-        assert undone == []  # a raw graph's replays count no step: nothing to take back
-        check.replays_counted = True
-        replay(5)
-        replay(5)
-        with pytest.raises(embfuse.BadIdError, match=r"deferred: 2 replay\(s\)"):
-            log.poll()
-        assert undone == [1, 1]
-    finally:
-        log.graph_checks.remove(check)
+    replay(7)
+    replay(2)
+    with pytest.raises(embfuse.BadIdError, match=r"deferred: 1 replay\(s\) of the CUDA graph that captured"):
+        log.poll()
+    log.poll()  # (reported once)
+    replay(9)
+    replay(-1)
+    replay(4)
+    with pytest.raises(embfuse.BadIdError, match=r"#\d+ had an out-of-range id \[deferred: 2 replay\(s\)"):
+        log.poll()
+    assert undone == []  # a raw graph's replays count no step: nothing to take back
+    check.replays_counted = True
+    replay(5)
+    replay(5)
+    with pytest.raises(embfuse.BadIdError, match=r"deferred: 2 replay\(s\)"):
+        log.poll()
+    assert undone == [1, 1]
+    log.next_graph_slot = check.slot  # (as after RING more graph checks): the new check takes the slot over
+    monkeypatch.setattr(deferred, "tracing", lambda: True)
+    again = log.start(lambda: None, "the test's", fresh=False)
+    assert list(log.graph_checks.values()).count(again) == 1 and check not in log.graph_checks.values()
+    log.poll()  # (the old check's count went with it)
 
 
 @pytest.mark.gpu

@@ -371,7 +371,9 @@ class DeviceLog:
         self.fresh = {}  # stream -> its block's unused pairs
         self.seq = 0
         self.pending = collections.deque()
-        self.graph_checks = []  # checks captured into CUDA graphs: reported at every poll
+        # checks captured into CUDA graphs, by slot: reported at every poll. A slot taken again (after
+        # RING more graph checks) reports the new check's replays: the old graph's can no longer be told apart
+        self.graph_checks = {}
         self.next_graph_slot = self.RING
 
     def start(self, raise_error, what, fresh: bool, track: bool = True) -> Check:
@@ -388,8 +390,7 @@ class DeviceLog:
             self.host[slot] = 0
             status = self.graph_rows[slot - self.RING]
             status.zero_()  # (inside a capture: at every replay)
-            check = Check(status, seq, slot, raise_error, what, self)
-            self.graph_checks.append(check)
+            check = self.graph_checks[slot] = Check(status, seq, slot, raise_error, what, self)
             return check
         slot = seq % self.RING
         status = self._fresh_pair() if fresh else self.rows[slot]
@@ -430,7 +431,7 @@ class DeviceLog:
             else:
                 check.bad = False
                 check.undo.clear()
-        for check in self.graph_checks:
+        for check in self.graph_checks.values():
             bad = int(self.host[check.slot])  # (bad replays so far) * 16 + the last one's flags (_report)
             if bad >> 4 > check.reported:
                 replays, check.reported = (bad >> 4) - check.reported, bad >> 4
