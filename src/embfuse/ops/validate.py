@@ -279,7 +279,6 @@ def run_check(device, kernel: bool, bounds_check: str, launch_check: Callable, f
     return None, flags
 
 
-
 def traced_mode(bounds_check: str) -> str:
     return "sync" if bounds_check == "skip" else bounds_check  # skip changes shapes: a graph cannot
 
