@@ -265,7 +265,7 @@ class CapturedStep:
             f.set_step(step)
         self.cuda_graph = torch.cuda.CUDAGraph()
         log = device_log(self.device)
-        known_checks = dict(log.graph_checks)
+        first_seq = log.seq + 1  # (the checks this capture makes are numbered from here)
         try:
             with _stale_streams_joined(), torch.cuda.graph(self.cuda_graph):
                 self.outputs = self._run(inputs)
@@ -281,8 +281,8 @@ class CapturedStep:
         self.fused_steps = [(f, f.step - step) for f, step in zip(fused, steps)]
         for f, step in zip(fused, steps):
             f.set_step(step)
-        for slot, check in log.graph_checks.items():  # (a bad replay takes its steps back: DeviceLog.poll)
-            check.replays_counted |= known_checks.get(slot) is not check
+        for check in log.graph_checks.values():  # (a bad replay takes its steps back: DeviceLog.poll)
+            check.replays_counted |= check.seq >= first_seq
 
     def __call__(self, *args):
         device_log(self.device).poll()  # errors that earlier replays found
