@@ -2,7 +2,8 @@
 the wall time and the GPU's busy time (host_default_b2048.per_call: 200 steps back to back, then
 10 profiled). Rules whose hyper-parameters change every step (Adam, Adagrad with lr_decay) read
 them inside the graph from the GPU's step count, which the graph advances with a few small ops
-(FusedOptimizer.stepping). nn.EmbeddingBag, 100K x 128 fp32, B2048 x 20 ids, sum.
+on a side stream beside the backward's sort (FusedOptimizer.stepping). nn.EmbeddingBag, 100K x
+128 fp32, B2048 x 20 ids, sum.
 
     PYTHONPATH=src python3 benchmarks/host/captured_step.py
 """

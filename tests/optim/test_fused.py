@@ -391,6 +391,41 @@ def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
             torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.gpu
+def test_a_captured_update_waits_for_the_side_stream_that_advances_its_step(monkeypatch):
+    """Inside a CUDA graph Adam's per-step hyper-parameters are advanced on a side stream beside
+    the backward's sort (FusedOptimizer._graph_step): held back there by a long sleep, the update
+    must still read them after they are written, as the eager steps do."""
+    rule = Adam(lr=0.1)
+    slow = rule.graph_hyper.__func__
+
+    def held_back(self, hyper, good):
+        torch.cuda._sleep(50_000_000)  # (tens of milliseconds: the update would run first)
+        slow(self, hyper, good)
+
+    torch.manual_seed(0)
+    m = embfuse.nn.EmbeddingBag(50, 8, mode="sum", optimizer=rule, device="cuda")
+    ids = torch.randint(0, 50, (16, 3), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm-up step, outside the graph
+        m(ids).square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = copy.deepcopy(m)
+    monkeypatch.setattr(Adam, "graph_hyper", held_back)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m(ids).square().sum().backward()
+    for _ in range(3):
+        ids.copy_(torch.randint(0, 50, (16, 3), device="cuda"))
+        graph.replay()
+        eager(ids).square().sum().backward()
+    embfuse.check_errors()
+    for name, value in eager.state_dict().items():
+        if name != "optimizer_step":  # (raw replays do not advance the host's count)
+            torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_dtype_conversions_leave_optimizer_state_float32():
     m = embfuse.nn.EmbeddingBag(10, 4, mode="sum", optimizer=Adam(lr=0.01))
     m(torch.tensor([[1, 2]])).sum().backward()

@@ -18,13 +18,13 @@ from embfuse.ops.validate import check_fused_table
 from embfuse.ops.segments import (Layout, Segments, columns, next_level, row_sums_reference, segment_rows,
                                   single_table)
 from embfuse.ops import tuning
-from embfuse.optim.rules import (K_ADAGRAD_KIND, K_HYPER_STEP, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, Hyper,
-                                  stochastic_round_reference)
+from embfuse.optim.rules import (K_ADAGRAD_KIND, K_HYPER_STEP, K_ROWWISE_ADAGRAD_KIND, K_SGD_KIND, GraphStep, Hyper,
+                                  joined, stochastic_round_reference)
 
 
 def apply_sparse_update_reference(weight, state, optimizer, ids, src, src_row, scale, step, padding_idx=-1):
     """Pure torch: sum the gradient rows per distinct id (in input order), update those rows."""
-    acc = accumulation(weight)
+    step, acc = joined(step), accumulation(weight)
     touched, g, _ = row_sums_reference(ids, src, src_row, scale, padding_idx, acc)
     w, st = optimizer.update(weight[touched].to(acc), g, {k: v[touched].to(acc) for k, v in state.items()}, step)
     with torch.no_grad():
@@ -200,11 +200,13 @@ def fused_update(weight, states, optimizer, keys, layout: Layout, src, step, **s
     if keys.numel() == 0 or layout.max_dim == 0:
         return
     states = list(states) + [None] * (2 - len(states))  # (never read)
-    # `step` a tensor: a CUDA graph's copy of the hyper-parameters and step (FusedOptimizer.stepping)
-    graph = isinstance(step, torch.Tensor)
+    # `step` a GraphStep (or its tensor): a CUDA graph's copy of the hyper-parameters and step
+    # (FusedOptimizer.stepping), read once the sort below has run beside the ops that advance it
+    graph = isinstance(step, (GraphStep, torch.Tensor))
     hyper = optimizer.hyper(1 if graph else step)
     segments = Segments(keys, layout, src, **src_args)
     columns = tuning.update_columns(optimizer.element_states)
+    step = joined(step)
     segments.launch(
         _fused_update_kernel, weight, states[0], states[1], *hyper, 0 if graph else step, step if graph else None,
         KIND=optimizer.kind, WD=hyper.weight_decay != 0, DROP=optimizer.dropped_bits(weight.dtype), columns=columns,

@@ -32,7 +32,7 @@ from embfuse.ops.errors import UnsupportedError
 from embfuse.ops.validate import DEFAULT_BOUNDS_CHECK, check_fused_table
 from embfuse.optim.fused import apply_sparse_update, collection_update
 from embfuse.optim.hot import hot_update
-from embfuse.optim.rules import HYPER_STEP, init_state
+from embfuse.optim.rules import HYPER_STEP, GraphStep, init_state, joined
 
 
 class FusedOptimizer(_handles.Named):
@@ -69,17 +69,22 @@ class FusedOptimizer(_handles.Named):
     def stepping(self, check, status, device):
         """What one backward's update reads as its step, whose batch had `check` (a deferred
         Check, or None) and `status` (its status tensor, or None) on `device`: the step number,
-        or inside a CUDA-graph capture of a rule with per-step hyper-parameters its step_copy
-        tensor; None when the batch is already known bad (nothing to do). A step counts once the
-        update returns: an update that raises leaves the count as it was, and one whose batch is
-        found bad later is taken back then (DeviceLog calls the undo; for a check captured into a
-        CUDA graph, at each bad replay that embfuse.fx.capture counted)."""
+        or inside a CUDA-graph capture of a rule with per-step hyper-parameters a GraphStep (its
+        step_copy tensor, advanced on a side stream); None when the batch is already known bad
+        (nothing to do). A step counts once the update returns: an update that raises leaves the
+        count as it was, and one whose batch is found bad later is taken back then (DeviceLog
+        calls the undo; for a check captured into a CUDA graph, at each bad replay that
+        embfuse.fx.capture counted)."""
         if check is not None and check.bad:
             yield None
             return
         self.step += 1
         try:
-            yield self._graph_step(status, device) if self.per_step and device.type == "cuda" else self.step
+            step = self._graph_step(status, device) if self.per_step and device.type == "cuda" else self.step
+            try:
+                yield step
+            finally:
+                joined(step)  # (an update that launched nothing still joins a graph's side stream)
         except BaseException:
             self.step -= 1
             raise
@@ -96,8 +101,15 @@ class FusedOptimizer(_handles.Named):
                 f"{type(self.optimizer).__name__}: run a training step outside the CUDA graph before capturing "
                 f"it (a warm-up, as torch.cuda.graph asks): the graph reads this rule's per-step hyper-parameters "
                 f"from the GPU's copy of the step count, which that step makes")
-        self.optimizer.graph_hyper(hyper, 1 if status is None else status[0] == 0)
-        return hyper
+        # about ten small ops (Adam's): on a side stream, beside the backward's passes up to the
+        # update's launch, which waits for them (GraphStep; benchmarks/NOTES.md, session 62)
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.optimizer.graph_hyper(hyper, 1 if status is None else status[0] == 0)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        return GraphStep(hyper, ready)
 
     def step_copy(self, device) -> torch.Tensor:
         """The step_copies tensor of `device`, made if missing (a real tensor even under a trace:
@@ -117,6 +129,16 @@ class FusedOptimizer(_handles.Named):
     def _uncount_replay(self):
         """A bad replay's step off the host's count; the GPU's copy never counted it."""
         self.step -= 1
+
+
+_SIDE_STREAMS = {}  # device -> the stream a captured step's copy advances on (FusedOptimizer._graph_step)
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return side
 
 
 def _status(check):

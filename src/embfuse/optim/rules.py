@@ -43,6 +43,24 @@ class Hyper(NamedTuple):
     bc2_sqrt: float = 1.0  # sqrt of Adam's second bias correction
 
 
+class GraphStep(NamedTuple):
+    """A captured update's step (FusedOptimizer.stepping): the GPU's float64 copy of Hyper's
+    fields and the step, which the graph advances on a side stream beside the backward's first
+    passes, and the event recorded there after it."""
+
+    hyper: torch.Tensor
+    ready: torch.cuda.Event
+
+
+def joined(step):
+    """What an update reads as its step: the host's number, or a graph's copy once the current
+    stream has waited for the side stream that advanced it."""
+    if isinstance(step, GraphStep):
+        torch.cuda.current_stream(step.hyper.device).wait_event(step.ready)
+        return step.hyper
+    return step
+
+
 HYPER_STEP = len(Hyper._fields)  # the step's place after Hyper's fields in a graph's float64 copy (_Rule.graph_hyper)
 (K_HYPER_STEP,) = constexprs(HYPER_STEP)
 # mantissa bits that rounding an fp32 value to the table's dtype drops
