@@ -28,6 +28,7 @@ def demo(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from embfuse.bench.runner import tags
     from embfuse.demo import data as demo_data
     from embfuse.demo.run import build, plot, same_start, train
 
@@ -74,8 +75,11 @@ def demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "demo.png")
-    (out / "demo.json").write_text(json.dumps({"data": data.name, "device": str(device), "args": vars(args) | {
-        "func": None}, "results": [r.__dict__ | {"step_losses": r.step_losses[::10]} for r in results]}, indent=1))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    (out / "demo.json").write_text(json.dumps({"data": data.name, "device": str(device), "gpu": gpu, **tags(),
+                                               "args": vars(args) | {"func": None},
+                                               "results": [r.__dict__ | {"step_losses": r.step_losses[::10]}
+                                                           for r in results]}, indent=1))
     console.print(f"wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return 0
 

@@ -81,3 +81,42 @@ def test_the_same_seed_gives_the_same_run():
     assert r1.step_losses == r2.step_losses and r1.lines == r2.lines
     assert torch.equal(m1.sparse.tables()[0], m2.sparse.tables()[0])
     assert not torch.equal(m1.sparse.tables()[0], m3.sparse.tables()[0])
+
+
+def test_throughput_leaves_out_the_first_epochs_compiles(monkeypatch):
+    """examples/s counts from the second epoch on: a fresh machine's first epoch compiles a Triton
+    kernel for each batch shape it meets, its last (smaller) batch's too. On a fake clock every
+    step takes 1 s and the first epoch's last step 1000 s: none of those count."""
+    import types
+
+    import embfuse.demo.run as demo_run
+
+    clock = [0.0]
+    monkeypatch.setattr(demo_run, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    data = synthetic(2000, 50, seed=0, features=4, dense=3)
+    train_idx, test_idx = data.split(0.2, 0)
+    model = build("embfuse", data, args(), torch.device("cpu"))
+    steps, step = [0], model.sparse.step
+
+    def ticking():
+        steps[0] += 1
+        clock[0] += 1000.0 if steps[0] == 25 else 1.0
+        step()
+
+    model.sparse.step = ticking
+    res = train("embfuse", model, data, train_idx, test_idx, args(epochs=2), torch.device("cpu"))
+    assert len(train_idx) == 1600  # (25 steps of 64 an epoch)
+    assert res.examples_per_s == 1600 / 25
+
+
+def test_the_demo_writes_its_results_with_what_ran_them(tmp_path):
+    import json
+
+    from embfuse.cli import main
+
+    assert main(["demo", "--data", "synthetic", "--samples", "2000", "--rows", "50", "--epochs", "1",
+                 "--batch-size", "256", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "demo.json").read_text())
+    assert out["device"] == "cpu" and out["gpu"] is None and out["torch"] == torch.__version__
+    assert out["commit"] and out["date"] and [r["name"] for r in out["results"]] == ["embfuse", "torch"]
+    assert (tmp_path / "demo.png").exists()

@@ -173,6 +173,13 @@ def commit(where: Path = Path(__file__).parent) -> str:
     return head + "+dirty" * dirty if head else "unknown"
 
 
+def tags() -> dict:
+    """What every committed result names beside its figures: versions, commit, date."""
+    return {"torch": torch.__version__, "embfuse": embfuse.__version__, "commit": commit(),
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def metadata(device, bandwidth: float) -> dict:
     import triton
 
@@ -184,11 +191,9 @@ def metadata(device, bandwidth: float) -> dict:
         fbgemm = None
     props = torch.cuda.get_device_properties(device)
     return {
-        "gpu": torch.cuda.get_device_name(device), "sms": props.multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__, "embfuse": embfuse.__version__,
-        "fbgemm_gpu": fbgemm, "commit": commit(), "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_bandwidth_GBps": bandwidth / 1e9, "workloads_version": WORKLOADS_VERSION,
+        "gpu": torch.cuda.get_device_name(device), "sms": props.multi_processor_count, **tags(),
+        "triton": triton.__version__, "fbgemm_gpu": fbgemm, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "workloads_version": WORKLOADS_VERSION,
     }
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import embfuse.distributed as ed
-from embfuse.demo.run import WARMUP_STEPS, Result, auc, build
+from embfuse.demo.run import Result, auc, build, restarts_timing
 
 
 class Averaged:
@@ -93,11 +93,11 @@ def _train(name, model, data, train_idx, test_idx, args, device, rank, world, pi
         batches = _host_batches(data, train_idx, args.batch_size, rank, world, args.seed + epoch, pin)
         t0, step = time.perf_counter(), 0
         while True:
-            if step == WARMUP_STEPS and epoch == 0:
+            if restarts_timing(epoch, step):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dist.barrier()
-                t0, seen = time.perf_counter(), 0
+                t0, seen, elapsed = time.perf_counter(), 0, 0.0
             if pipe is not None:
                 try:
                     loss, _ = pipe.progress(batches)

@@ -93,6 +93,15 @@ def embedding_time_ms(model, batches, device, steps: int = 20, warmup: int = 3) 
 WARMUP_STEPS = 5  # not timed: Triton compiles each kernel on its first call
 
 
+def restarts_timing(epoch: int, step: int) -> bool:
+    """Whether the throughput's count starts again before this step of `epoch` (both from 0):
+    after WARMUP_STEPS steps, and again at the second epoch. A fresh machine's first epoch
+    compiles a Triton kernel for each batch shape it meets, its last (smaller) batch's too: on an
+    H200 that was about a second of a three-epoch MovieLens run's three (benchmarks/NOTES.md,
+    session 62)."""
+    return (epoch, step) in ((0, WARMUP_STEPS), (1, 0))
+
+
 def train(name, model, data, train_idx, test_idx, args, device, progress=None) -> Result:
     res = Result(name)
     opt = torch.optim.Adam(model.dense_parameters(), lr=args.lr_dense)
@@ -101,10 +110,11 @@ def train(name, model, data, train_idx, test_idx, args, device, progress=None) -
         model.train()
         _sync(device)
         t0 = time.perf_counter()
-        for dense, kjt, label in _batches(data, train_idx, args.batch_size, device, seed=args.seed + epoch):
-            if len(res.step_losses) == WARMUP_STEPS:
+        for step, (dense, kjt, label) in enumerate(_batches(data, train_idx, args.batch_size, device,
+                                                            seed=args.seed + epoch)):
+            if restarts_timing(epoch, step):
                 _sync(device)
-                t0, seen = time.perf_counter(), 0
+                t0, seen, elapsed = time.perf_counter(), 0, 0.0
             loss = F.binary_cross_entropy_with_logits(model(dense, kjt), label)
             opt.zero_grad(set_to_none=True)
             loss.backward()
