@@ -359,11 +359,9 @@ def test_a_loaded_step_count_reaches_the_gpus_copy():
     assert m._fused.step == 7 and copy[HYPER_STEP] == 7
 
 
-@pytest.mark.gpu
-def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
-    """torch.cuda.graph of a fused Adam step: a bad replay, once reported, takes nothing back (it
-    advanced neither count), so the replays after it train as the good batches' steps run eagerly.
-    (The report once wrote the host's count, which raw replays do not advance, over the GPU's.)"""
+def _raw_graph_of_adam():
+    """An nn.EmbeddingBag with fused Adam after one warm-up step outside the graph, an eager copy
+    of it, the ids its step reads and a torch.cuda.graph of that step."""
     torch.manual_seed(0)
     m = embfuse.nn.EmbeddingBag(50, 8, mode="sum", optimizer=Adam(lr=0.1), device="cuda")
     ids = torch.randint(0, 50, (16, 3), device="cuda")
@@ -376,6 +374,22 @@ def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         m(ids).square().sum().backward()
+    return m, eager, ids, graph
+
+
+def _trained_alike(m, eager):
+    embfuse.check_errors()
+    for name, value in eager.state_dict().items():
+        if name != "optimizer_step":  # (raw replays do not advance the host's count)
+            torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
+    """torch.cuda.graph of a fused Adam step: a bad replay, once reported, takes nothing back (it
+    advanced neither count), so the replays after it train as the good batches' steps run eagerly.
+    (The report once wrote the host's count, which raw replays do not advance, over the GPU's.)"""
+    m, eager, ids, graph = _raw_graph_of_adam()
     for k in range(4):
         if k == 1:
             ids[2, 1] = 50
@@ -385,10 +399,7 @@ def test_a_bad_replay_of_a_raw_graph_leaves_the_gpus_step_count():
         ids.copy_(torch.randint(0, 50, (16, 3), device="cuda"))
         graph.replay()
         eager(ids).square().sum().backward()
-    embfuse.check_errors()
-    for name, value in eager.state_dict().items():
-        if name != "optimizer_step":  # (raw replays do not advance the host's count)
-            torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _trained_alike(m, eager)
 
 
 @pytest.mark.gpu
@@ -396,34 +407,19 @@ def test_a_captured_update_waits_for_the_side_stream_that_advances_its_step(monk
     """Inside a CUDA graph Adam's per-step hyper-parameters are advanced on a side stream beside
     the backward's sort (FusedOptimizer._graph_step): held back there by a long sleep, the update
     must still read them after they are written, as the eager steps do."""
-    rule = Adam(lr=0.1)
-    slow = rule.graph_hyper.__func__
+    slow = Adam.graph_hyper
 
     def held_back(self, hyper, good):
         torch.cuda._sleep(50_000_000)  # (tens of milliseconds: the update would run first)
         slow(self, hyper, good)
 
-    torch.manual_seed(0)
-    m = embfuse.nn.EmbeddingBag(50, 8, mode="sum", optimizer=rule, device="cuda")
-    ids = torch.randint(0, 50, (16, 3), device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # a warm-up step, outside the graph
-        m(ids).square().sum().backward()
-    torch.cuda.current_stream().wait_stream(side)
-    eager = copy.deepcopy(m)
-    monkeypatch.setattr(Adam, "graph_hyper", held_back)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        m(ids).square().sum().backward()
+    monkeypatch.setattr(Adam, "graph_hyper", held_back)  # (eager steps never call it)
+    m, eager, ids, graph = _raw_graph_of_adam()
     for _ in range(3):
         ids.copy_(torch.randint(0, 50, (16, 3), device="cuda"))
         graph.replay()
         eager(ids).square().sum().backward()
-    embfuse.check_errors()
-    for name, value in eager.state_dict().items():
-        if name != "optimizer_step":  # (raw replays do not advance the host's count)
-            torch.testing.assert_close(m.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _trained_alike(m, eager)
 
 
 def test_dtype_conversions_leave_optimizer_state_float32():

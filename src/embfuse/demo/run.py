@@ -96,9 +96,8 @@ WARMUP_STEPS = 5  # not timed: Triton compiles each kernel on its first call
 def restarts_timing(epoch: int, step: int) -> bool:
     """Whether the throughput's count starts again before this step of `epoch` (both from 0):
     after WARMUP_STEPS steps, and again at the second epoch. A fresh machine's first epoch
-    compiles a Triton kernel for each batch shape it meets, its last (smaller) batch's too: on an
-    H200, 1.7 s after the warm-up steps, where three MovieLens epochs train in about 1.1 s
-    (benchmarks/NOTES.md, session 62)."""
+    compiles a Triton kernel for each batch shape it meets, its last (smaller) batch's too, which
+    can take longer than all the epochs' training (benchmarks/NOTES.md, session 62)."""
     return (epoch, step) in ((0, WARMUP_STEPS), (1, 0))
 
 
