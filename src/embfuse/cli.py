@@ -92,6 +92,7 @@ def demo_distributed(args: argparse.Namespace, console, data) -> int:
     import torch.distributed as dist
     from rich.table import Table
 
+    from embfuse.bench.runner import tags
     from embfuse.demo.distributed import run
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -114,9 +115,10 @@ def demo_distributed(args: argparse.Namespace, console, data) -> int:
         console.print(table)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        gpu = torch.cuda.get_device_name() if cuda else None
         (out / "demo-distributed.json").write_text(json.dumps({
-            "data": data.name, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-            "args": vars(args) | {"func": None},
+            "data": data.name, "world_size": dist.get_world_size(), "backend": dist.get_backend(), "gpu": gpu,
+            **tags(), "args": vars(args) | {"func": None},
             "results": [r.__dict__ | {"step_losses": r.step_losses[::10]} for r in results]}, indent=1))
         console.print(f"wrote {out / 'demo-distributed.json'}")
         return 0

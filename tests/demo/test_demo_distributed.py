@@ -46,4 +46,5 @@ def test_the_demo_runs_sharded_and_pipelined_under_torchrun(tmp_path):
     result = json.loads((tmp_path / "demo-distributed.json").read_text())
     assert result["world_size"] == 2 and [r["name"] for r in result["results"]] == ["sharded, plain",
                                                                                        "sharded, pipelined"]
+    assert result["gpu"] is None and result["commit"] and result["torch"] and result["date"]
     assert all(r["examples_per_s"] > 0 for r in result["results"])
