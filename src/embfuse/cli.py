@@ -75,8 +75,7 @@ def demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "demo.png")
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    (out / "demo.json").write_text(json.dumps({"data": data.name, "device": str(device), "gpu": gpu, **tags(),
+    (out / "demo.json").write_text(json.dumps({"data": data.name, "device": str(device), **tags(device),
                                                "args": vars(args) | {"func": None},
                                                "results": [r.__dict__ | {"step_losses": r.step_losses[::10]}
                                                            for r in results]}, indent=1))
@@ -115,10 +114,9 @@ def demo_distributed(args: argparse.Namespace, console, data) -> int:
         console.print(table)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        gpu = torch.cuda.get_device_name() if cuda else None
         (out / "demo-distributed.json").write_text(json.dumps({
-            "data": data.name, "world_size": dist.get_world_size(), "backend": dist.get_backend(), "gpu": gpu,
-            **tags(), "args": vars(args) | {"func": None},
+            "data": data.name, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+            **tags(torch.device("cuda" if cuda else "cpu")), "args": vars(args) | {"func": None},
             "results": [r.__dict__ | {"step_losses": r.step_losses[::10]} for r in results]}, indent=1))
         console.print(f"wrote {out / 'demo-distributed.json'}")
         return 0

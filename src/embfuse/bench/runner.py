@@ -173,9 +173,11 @@ def commit(where: Path = Path(__file__).parent) -> str:
     return head + "+dirty" * dirty if head else "unknown"
 
 
-def tags() -> dict:
-    """What every committed result names beside its figures: versions, commit, date."""
-    return {"torch": torch.__version__, "embfuse": embfuse.__version__, "commit": commit(),
+def tags(device) -> dict:
+    """What every committed result names beside its figures: the GPU (None off the GPU),
+    versions, commit, date."""
+    return {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__, "embfuse": embfuse.__version__, "commit": commit(),
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -191,7 +193,7 @@ def metadata(device, bandwidth: float) -> dict:
         fbgemm = None
     props = torch.cuda.get_device_properties(device)
     return {
-        "gpu": torch.cuda.get_device_name(device), "sms": props.multi_processor_count, **tags(),
+        **tags(device), "sms": props.multi_processor_count,
         "triton": triton.__version__, "fbgemm_gpu": fbgemm, "copy_bandwidth_GBps": bandwidth / 1e9,
         "workloads_version": WORKLOADS_VERSION,
     }
