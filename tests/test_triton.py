@@ -1,6 +1,7 @@
 """embfuse._triton: the direct launcher (calls that Triton would compile differently, a pointer
-off 16-byte alignment, an int equal to 1 or a multiple of 16, get their own kernel) and the eager
-autograd path of the registered ops (eager_autograd, backward_needs_op)."""
+off 16-byte alignment, an int equal to 1 or a multiple of 16, get their own kernel; a batch's
+counts, which change from batch to batch, compile none) and the eager autograd path of the
+registered ops (eager_autograd, backward_needs_op)."""
 
 import contextlib
 import functools
@@ -15,9 +16,11 @@ import torch.nn.functional as F
 import sys
 
 import embfuse
+from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from embfuse._triton import _direct
 from embfuse.ops.bags import POOLINGS
 from embfuse.ops.embedding_bag import _embedding_bag_fwd_checked_kernel, _embedding_bag_fwd_kernel
+from embfuse.optim import SGD, Adam
 from tests.conftest import DEVICES
 from .tolerances import assert_close, random_bags
 
@@ -42,6 +45,53 @@ def test_direct_launches_respecialise_on_alignment_and_int_values():
                 assert_close(out, ref, torch.float32, reduction=5)
         # the calls took the direct path: five specialisations (two alignments, paddings 17, 1, 16)
         assert len(_direct(kernel).compiled) >= 5
+
+
+def _variants() -> dict:
+    """Every embfuse kernel's count of compiled variants: Triton's own, and the direct launcher's."""
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("embfuse."):
+            for k, v in vars(module).items():
+                if isinstance(v, JITFunction):
+                    out[f"{name}.{k}"] = (sum(len(c[0]) for c in v.device_caches.values()), len(_direct(v).compiled))
+    return out
+
+
+@pytest.mark.gpu
+def test_a_batchs_counts_compile_no_new_kernel_variants():
+    """Triton specialises an int on divisibility by 16 and on the value 1, and a pointer on its
+    alignment: a count of values (or a status pair) that does so differently from batch to batch
+    would compile a variant in the middle of training, about half a second each (the demo's first
+    epoch: benchmarks/NOTES.md, session 63). Batches of 64 bags of up to 32 ids a feature, whose
+    counts are a multiple of 16 and then are not; several calls each, for both parities of the
+    checks' status pairs."""
+    configs = [EmbeddingBagConfig(1000, 16, "t0", feature_names=["f0"]),
+               EmbeddingBagConfig(500, 8, "t1", feature_names=["f1"])]
+    ebc = EmbeddingBagCollection(configs, device="cuda", optimizer=Adam(lr=0.01))
+    bag = embfuse.nn.EmbeddingBag(500, 16, mode="sum", optimizer=SGD(lr=0.1), device="cuda")
+    gather = embfuse.nn.Embedding(500, 16, optimizer=SGD(lr=0.1), device="cuda")
+
+    def steps(short: int) -> None:
+        lengths = torch.full((128,), 32, device="cuda")
+        lengths[-1] -= short
+        values = torch.randint(0, 500, (int(lengths.sum()),), device="cuda")
+        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=64)
+        starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        for _ in range(3):
+            ebc(kjt).values().sum().backward()
+            bag(values, starts).sum().backward()
+            gather(values).sum().backward()
+        torch.cuda.synchronize()
+
+    steps(0)
+    before = _variants()
+    for short in (1, 7, 16, 0):
+        steps(short)
+    grew = {k: (before.get(k), v) for k, v in _variants().items() if v != before.get(k)}
+    assert not grew, grew
 
 
 def _refuse(*args, **kwargs):

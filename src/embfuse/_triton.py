@@ -132,9 +132,10 @@ class _DirectLauncher:
     them and a string of the options, checks globals and asks for the stream: about three
     times what its C launcher costs (commit ae94d46; benchmarks/NOTES.md, session 26). Here
     the key is the tuple of Triton's own per-argument specialisation (`native_specialize_impl`:
-    type, 16-byte alignment, divisibility by 16, the value 1) plus the constexprs and options, so two calls
-    share a compiled kernel exactly when Triton would give them the same one. The first call
-    with a new key goes through Triton, which compiles and returns the kernel we keep.
+    type, 16-byte alignment, divisibility by 16, the value 1, where the kernel does not say
+    do_not_specialize) plus the constexprs and options, so two calls share a compiled kernel
+    exactly when Triton would give them the same one. The first call with a new key goes
+    through Triton, which compiles and returns the kernel we keep.
     (A missing constexpr raises KeyError here, as a missing argument does in Triton.)
     """
 
@@ -145,6 +146,10 @@ class _DirectLauncher:
         # a kernel with a constexpr before a runtime parameter always launches Triton's way
         self.n_runtime = sum(runtime) if all(runtime[:sum(runtime)]) else -1
         self.constexpr_names = [p.name for p in kernel.params if p.is_constexpr]
+        # the kernel's do_not_specialize(_on_alignment), as Triton's own binder passes them
+        params = kernel.params[:max(self.n_runtime, 0)]
+        self.specialize = [not p.do_not_specialize for p in params]
+        self.align = [not p.do_not_specialize_on_alignment for p in params]
         self.compiled = {}
 
     def __getitem__(self, grid):
@@ -159,7 +164,7 @@ class _DirectLauncher:
         backend = self.kernel.device_caches[device][3]
         # map() over C functions: no Python frame per argument
         key = (device, *kwargs.items(), *map(native_specialize_impl, repeat(backend, n), args, repeat(False, n),
-                                               repeat(True, n), repeat(True, n)))
+                                               self.specialize, self.align))
         hit = self.compiled.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)

@@ -39,7 +39,10 @@ from embfuse.ops.residency import hot_ids
 BAD_ID, BAD_OFFSETS = 1, 2
 K_BAD_ID, K_BAD_OFFSETS = constexprs(BAD_ID, BAD_OFFSETS)
 RING = 4096  # eager calls a device log tells apart (DeviceLog)
-(K_RING,) = constexprs(RING)
+# int32 words from one status pair to the next: each pair starts 16 bytes apart, so that every
+# pair a kernel gets has the same alignment (Triton compiles a variant per pointer alignment)
+PAIR_STRIDE = 4
+K_RING, K_PAIR_STRIDE = constexprs(RING, PAIR_STRIDE)
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -69,10 +72,9 @@ def _report(status, ring, slot, seq, flags, programs):
 @triton.jit
 def next_pair(statuses, slot):
     """The status pair that the check of the eager call in ring slot `slot` clears for the call
-    after it (DeviceLog.next_status), in the device log's `statuses` (RING int32 pairs). A lookup
-    that folds the check in gets the base (take_fold): its alignment never changes, so it adds no
-    compiled variants."""
-    return statuses + ((slot + 1) % K_RING) * 2
+    after it (DeviceLog.next_status), in the device log's `statuses` (RING int32 pairs, PAIR_STRIDE
+    apart). A lookup that folds the check in gets the base (take_fold)."""
+    return statuses + ((slot + 1) % K_RING) * K_PAIR_STRIDE
 
 
 @triton.jit
@@ -129,7 +131,7 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
         _report(status, ring, slot, seq, flags, programs)
 
 
-@triton.jit(do_not_specialize=["slot", "seq"])
+@triton.jit(do_not_specialize=["slot", "seq", "n"])
 def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
                       words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr, CLAMP_LAST: tl.constexpr,
                       HOT: tl.constexpr):
@@ -154,7 +156,7 @@ def _features_at(offsets, p, B, F, FBLOCK: tl.constexpr):
 
 # F is never a constant: with F == 1 the feature search folds away and Triton 3.6's coalesce
 # pass asserted on the one-limit branch below (an H100 run, benchmarks/NOTES.md session 16)
-@triton.jit(do_not_specialize=["slot", "seq", "F"])
+@triton.jit(do_not_specialize=["slot", "seq", "F", "n"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FBLOCK: tl.constexpr, CHECK: tl.constexpr,
                        REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr):
@@ -343,16 +345,21 @@ def folded_checks(n: int, n_offsets: int) -> int:
     return max(1, cdiv(max(n, n_offsets), tuning.FOLD_BLOCK))
 
 
+def _pairs(block: torch.Tensor) -> list:
+    """The status pairs of a zeroed block of rows PAIR_STRIDE wide."""
+    return list(block[:, :2].unbind(0))
+
+
 class DeviceLog:
     """The deferred checks of one CUDA device (or, for the interpreter tests, of the CPU).
 
     ring: pinned host memory, one int64 a call slot: seq * 16 + flags once the GPU has checked
-    call `seq`. status: device int32 pairs, one a slot, reused round the ring; the check of
-    call k clears the pair of call k + 1, so no call spends a launch on zeroing. A call whose
-    status must outlive the next RING calls (an autograd backward reads it later) gets a pair
-    of its own, never handed out again: a row of a block of FRESH pairs zeroed at once on the
-    current stream (one block a stream: a pair is read on the stream its zeros were written on).
-    Calls inside a CUDA-graph capture or torch.compile graph take their ring
+    call `seq`. status: device int32 pairs (PAIR_STRIDE apart), one a slot, reused round the
+    ring; the check of call k clears the pair of call k + 1, so no call spends a launch on
+    zeroing. A call whose status must outlive the next RING calls (an autograd backward reads it
+    later) gets a pair of its own, never handed out again: a row of a block of FRESH pairs zeroed
+    at once on the current stream (one block a stream: a pair is read on the stream its zeros
+    were written on). Calls inside a CUDA-graph capture or torch.compile graph take their ring
     slots, and pairs zeroed at each replay, from a second half that eager calls never use."""
 
     RING = RING  # (the module's: the folded kernels read it as K_RING)
@@ -362,12 +369,12 @@ class DeviceLog:
         self.device = device
         self.ring = torch.zeros(2 * self.RING, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host = self.ring.numpy()
-        self.status = torch.zeros(self.RING, 2, dtype=torch.int32, device=device)
-        self.rows = list(self.status.unbind(0))
+        self.status = torch.zeros(self.RING, PAIR_STRIDE, dtype=torch.int32, device=device)
+        self.rows = _pairs(self.status)
         self.scratch = torch.zeros(2, dtype=torch.int32, device=device)  # what graph checks "clear"
         # graph checks' pairs, made here: a pair made inside a capture would live in the graph's
         # memory pool, which Inductor's CUDA graphs (mode="reduce-overhead") refuse to leave held
-        self.graph_rows = list(torch.zeros(self.RING, 2, dtype=torch.int32, device=device).unbind(0))
+        self.graph_rows = _pairs(torch.zeros(self.RING, PAIR_STRIDE, dtype=torch.int32, device=device))
         self.fresh = {}  # stream -> its block's unused pairs
         self.seq = 0
         self.pending = collections.deque()
@@ -405,8 +412,8 @@ class DeviceLog:
         stream = torch._C._cuda_getCurrentStream(self.device.index)[0] if self.device.type == "cuda" else None
         pairs = self.fresh.get(stream)
         if not pairs:
-            pairs = self.fresh[stream] = list(torch.zeros(self.FRESH, 2, dtype=torch.int32,
-                                                          device=self.device).unbind(0))
+            pairs = self.fresh[stream] = _pairs(torch.zeros(self.FRESH, PAIR_STRIDE, dtype=torch.int32,
+                                                            device=self.device))
         return pairs.pop()
 
     def next_status(self, check: Check) -> torch.Tensor:

@@ -45,7 +45,8 @@ def _gather_tile(tile, col_block, weight, indices, ok, out, n, D, stride_w, stri
     tl.store(out + pos[:, None] * stride_o + cols[None, :], rows, mask=m2)
 
 
-@triton.jit
+# (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["n"])
 def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o, STATUS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     ok = True
@@ -55,7 +56,7 @@ def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o
                  BLOCK_N, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["slot", "seq"])
+@triton.jit(do_not_specialize=["slot", "seq", "n"])
 def _embedding_fwd_checked_kernel(weight, indices, out, n, D, stride_w, stride_o, num_embeddings, status, statuses,
                                   ring, slot, seq, checks, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                   CHECK_BLOCK: tl.constexpr):

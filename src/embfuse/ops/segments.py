@@ -438,7 +438,8 @@ def _grad_tile(keys, n, perm, src_row, scale, src, src_stride, src_bags, src_met
              mask=done[:, None] & ((cols // VEC)[None, :] < (D // VEC)[:, None]))
 
 
-@triton.jit
+# (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["n", "src_bags", "at", "levels"])
 def _segment_grad_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
     at, levels, grad, FIRST: tl.constexpr, HAS_SRC_ROW: tl.constexpr, HAS_SCALE: tl.constexpr,

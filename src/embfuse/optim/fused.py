@@ -158,9 +158,11 @@ def _update_tile(
                    QUARTERS)
 
 
-# the seed is the step number: specialising on it (1, multiples of 16) would compile new
-# variants in the middle of training, seconds each
-@triton.jit(do_not_specialize=["seed"])
+# the seed is the step number, and n, src_bags (a plain lookup's count of ids), at and levels a
+# batch's counts: specialising on them (1, multiples of 16) compiled new variants in the middle
+# of training, about half a second each (as for every kernel that takes a batch's count of
+# values; benchmarks/NOTES.md, session 63)
+@triton.jit(do_not_specialize=["seed", "n", "src_bags", "at", "levels"])
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,
     at, levels, weight, state1, state2, lr, eps, weight_decay, one_minus_beta1, one_minus_beta2, bc2_sqrt, seed,
