@@ -12,7 +12,7 @@ import torch
 
 import embfuse
 import embfuse.ops.embedding_bag  # noqa: F401 - the module (embfuse.ops.embedding_bag is also a function)
-from embfuse.ops import deferred
+from embfuse.ops import check_kernels, deferred
 
 validate = sys.modules["embfuse.ops.validate"]
 eb = sys.modules["embfuse.ops.embedding_bag"]
@@ -48,9 +48,9 @@ t("validate_bags deferred", lambda: validate.validate_bags(flat, offs, 100_000, 
 t("log.start + poll", lambda: log.start(None, "x", fresh=False, track=False))
 t("log.poll", log.poll)
 c = log.start(None, "x", fresh=False, track=False)
-t("launch_ids_check", lambda: deferred.launch_ids_check(log, c, flat, offs, 100_000))
+t("launch_ids_check", lambda: check_kernels.launch_ids_check(log, c, flat, offs, 100_000))
 t("pool (forward kernel) only", lambda: eb.pool(w, flat, offs, None, 0, -1, with_max_ids=False, status=None))
-t("deferred._check_args", lambda: deferred._check_args(log, c, flat))
+t("check_kernels._check_args", lambda: check_kernels._check_args(log, c, flat))
 t("embfuse deferred again", lambda: embfuse.embedding_bag(ids, w, mode="sum"))
 t("embfuse off again", lambda: embfuse.embedding_bag(ids, w, mode="sum", bounds_check="off"))
 embfuse.check_errors()

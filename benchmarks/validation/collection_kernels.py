@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import embfuse
-from embfuse.ops import collection, deferred
+from embfuse.ops import check_kernels, collection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from narrow_ids import criteo, kernel_times  # noqa: E402
@@ -33,7 +33,7 @@ def main(batches):
                           + " | ".join(f"{k}: {v:.1f}" for k, v in sorted(t.items(), key=lambda x: -x[1])), flush=True)
         del off, ebc
     embfuse.check_errors()
-    for kernel in (collection._collection_fwd_kernel, deferred._check_bags_kernel):
+    for kernel in (collection._collection_fwd_kernel, check_kernels._check_bags_kernel):
         for caches in getattr(kernel, "device_caches", {}).values():
             for key, compiled in caches[0].items():
                 print(kernel.fn.__name__, "registers", compiled.n_regs, "spills", compiled.n_spills, str(key)[-120:])

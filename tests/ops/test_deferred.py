@@ -11,7 +11,7 @@ from embfuse.ops.collection import Plan, collection_forward
 from embfuse.ops.embedding import embedding_forward
 from embfuse.ops import tuning
 from embfuse.ops.embedding_bag import embedding_bag_forward, embedding_bag_reference, table_backward_inputs
-from embfuse.ops import deferred
+from embfuse.ops import check_kernels, deferred
 from embfuse.ops.deferred import check_errors, device_log
 from embfuse.ops.validate import _ids_flags_reference, validate_bags, validate_ids
 from tests.conftest import KERNEL_DEVICE, requires_kernels
@@ -319,7 +319,7 @@ def test_a_graphs_check_counts_its_bad_replays_and_a_good_replay_hides_none(monk
     def replay(second):
         ids[1] = second
         check.status.zero_()
-        deferred.launch_ids_check(log, check, ids, None, 5)
+        check_kernels.launch_ids_check(log, check, ids, None, 5)
 
     replay(7)
     replay(2)

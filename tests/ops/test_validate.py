@@ -8,7 +8,8 @@ from hypothesis import example, given, settings, strategies as st
 
 import embfuse
 from embfuse.ops import tuning
-from embfuse.ops.deferred import BAD_ID, BAD_OFFSETS, check_errors
+from embfuse.ops.check_kernels import BAD_ID, BAD_OFFSETS
+from embfuse.ops.deferred import check_errors
 from embfuse.ops.validate import _ids_flags_reference, validate_bags
 from tests.conftest import DEVICES, KERNEL_DEVICE, requires_kernels
 

@@ -1,8 +1,8 @@
 """Lookup ops: each file holds the reference, the Triton kernel, its launcher and the op.
 
 bags.py is the one home of pooling (modes, a value's bag, the backward's inputs) for single
-tables and collections; tuning.py holds every launch rule; validate.py and deferred.py check
-batches; segments.py is the deterministic gradient reduction every backward shares.
+tables and collections; tuning.py holds every launch rule; validate.py, deferred.py and
+check_kernels.py check batches; segments.py is the deterministic gradient reduction every backward shares.
 """
 
 from embfuse.ops.deferred import check_errors

@@ -17,7 +17,8 @@ from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op,
 from embfuse.ops.bags import SUM, index_sum
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
-from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
+from embfuse.ops.check_kernels import check_ids_program, next_pair, wait_for_check
+from embfuse.ops.deferred import folded_checks, take_fold
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, guard, padding_index, row_major, sparse_layout,
                                   torch_records, validate_ids)

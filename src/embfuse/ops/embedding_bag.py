@@ -28,7 +28,8 @@ from embfuse.ops.bags import (K_MAX, K_NO_PADDING, K_PADDING_ID, K_SQRTN, K_SUM,
 from embfuse.ops.errors import BadArgumentError, BadDtypeError, UnsupportedError
 from embfuse.ops.segments import rowwise_sparse_grad, segment_grad, segment_grad_reference
 from embfuse.ops import tuning
-from embfuse.ops.deferred import check_ids_program, folded_checks, next_pair, take_fold, wait_for_check
+from embfuse.ops.check_kernels import check_ids_program, next_pair, wait_for_check
+from embfuse.ops.deferred import folded_checks, take_fold
 from embfuse.ops.residency import window
 from embfuse.ops.validate import (COO, DEFAULT_BOUNDS_CHECK, ROWWISE, check_bounds_mode, check_device,
                                   check_index_dtype, check_weight, clamp_last_offset, guard, padding_index, row_major,
@@ -130,8 +131,8 @@ def _embedding_bag_fwd_checked_kernel(
 ):
     """_embedding_bag_fwd_kernel with the batch's deferred check folded in (a small batch, whose
     time is the host's: one launch instead of two). The first `checks` programs of column block
-    0 check the ids and offsets (deferred.check_ids_program); the rest pool bag pid - checks
-    once the check has reported (deferred.wait_for_check). `statuses`, `slot`: the device log's
+    0 check the ids and offsets (check_kernels.check_ids_program); the rest pool bag pid - checks
+    once the check has reported (check_kernels.wait_for_check). `statuses`, `slot`: the device log's
     (deferred.take_fold)."""
     pid = tl.program_id(0)
     if pid < checks:

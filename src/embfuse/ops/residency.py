@@ -15,7 +15,7 @@ Hot rows are taken in global-row order, so each table's hot rows are one run of 
 is placed in `hot` at a distance from its table that is a multiple of the table's width, so the
 new id is an integer and `table + new_id * D` is the copy's row (another allocation, reached
 from the table's pointer: the kernels' address arithmetic is 64-bit). The rewrite happens in
-the check's pass over the ids (`hot_ids`, called by ops/deferred.py's check kernels: no launch
+the check's pass over the ids (`hot_ids`, called by ops/check_kernels.py's kernels: no launch
 and no read of the ids of its own; with bounds_check="off" or after "skip" drops ids, the same
 kernel runs without checking). Tried first and measured slower (benchmarks/NOTES.md, session
 14): the remap word read inside the pooling loop (a dependent load and registers in the hot
@@ -207,7 +207,7 @@ def hot_ids(ids, valid, first_row, rel, words):
     """The ids the lookup should read (module docstring): rel + slot for a hot id, the id itself
     otherwise, and for every lane not `valid` (masked, or outside its table: the check's verdict
     stands on it, and no remap word is read for it). Run inside the check's pass over the ids
-    (ops/deferred.py), so the rewrite costs no launch and no second read of the ids."""
+    (ops/check_kernels.py), so the rewrite costs no launch and no second read of the ids."""
     g = first_row + tl.where(valid, ids, 0)
     word = tl.load(words + (g >> 5), mask=valid, other=0)
     bit = (g & 31).to(tl.uint32)

@@ -135,7 +135,7 @@ def narrows(D: int, ids: int) -> bool:
 FOLD_GATHER_IDS = 1 << 14
 FOLD_BLOCK = 256
 # feature starts a program of the keyed batch's check loads at once to find its blocks' features
-# (ops/deferred.py _features_at); more features take more rounds
+# (ops/check_kernels.py _features_at); more features take more rounds
 CHECK_FEATURES = 64
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
 # left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")

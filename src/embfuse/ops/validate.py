@@ -35,8 +35,8 @@ import torch
 from embfuse._triton import tracing, use_kernels
 from embfuse.ops.bags import bag_of_value, torch_cpu
 from embfuse._handles import join_names, split_names
-from embfuse.ops.deferred import (BAD_ID, BAD_OFFSETS, TracedCheck, device_log, launch_bags_check, launch_ids_check,
-                                  graph_check_op, prepare_log, status_copy)
+from embfuse.ops.check_kernels import BAD_ID, BAD_OFFSETS, launch_bags_check, launch_ids_check
+from embfuse.ops.deferred import TracedCheck, device_log, graph_check_op, prepare_log, status_copy
 from embfuse.ops.errors import BadArgumentError, BadBatchError, BadDtypeError, BadIdError, caller_stacklevel
 from embfuse.ops import tuning
 
