@@ -73,16 +73,25 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
     status of the next call (see DeviceLog)."""
     # lanes count in int32 from the block's int64 start (fewer registers, as the keyed check's:
     # benchmarks/NOTES.md, session 16), and only blocks that hold offsets read them
+    # (n is not specialised, so a mask from it loads one id at a time: a whole block loads and
+    # stores without one, in 16-byte vectors; benchmarks/NOTES.md, session 63)
     start = pid.to(tl.int64) * BLOCK
     lanes = tl.arange(0, BLOCK)
+    whole = start + BLOCK <= n
     in_ids = lanes < tl.maximum(tl.minimum(n - start, BLOCK), 0).to(tl.int32)
-    ids = tl.load(indices + start + lanes, mask=in_ids, other=0)
+    if whole:
+        ids = tl.load(indices + start + lanes)
+    else:
+        ids = tl.load(indices + start + lanes, mask=in_ids, other=0)
     if REMAP:
         new = ids
         if HOT:
             ok = in_ids & (ids >= 0) & (ids < num_embeddings)
             new = hot_ids(ids.to(tl.int64), ok, 0, tl.load(info + 2), words)
-        tl.store(out + start + lanes, new.to(out.dtype.element_ty), mask=in_ids)
+        if whole:
+            tl.store(out + start + lanes, new.to(out.dtype.element_ty))
+        else:
+            tl.store(out + start + lanes, new.to(out.dtype.element_ty), mask=in_ids)
     if CHECK:
         flags = tl.max((in_ids & ((ids < 0) | (ids >= num_embeddings))).to(tl.int32)) * K_BAD_ID
         if start < n_offsets:
@@ -157,8 +166,12 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         # lanes count in int32 from the block's first position (int64): the block's bounds
         # and feature starts are scalars clamped to [-1, BLOCK] first
         first = start + c * BLOCK
+        whole = first + BLOCK <= real  # (no mask: 16-byte loads, as in check_ids_program)
         in_values = lane < tl.minimum(real - first, BLOCK).to(tl.int32)
-        v = tl.load(values + first + lane, mask=in_values, other=0)
+        if whole:
+            v = tl.load(values + first + lane)
+        else:
+            v = tl.load(values + first + lane, mask=in_values, other=0)
         f_first = tl.sum(tl.where(j == c, f_at, 0))
         f_next = tl.sum(tl.where(j == c + 1, f_at, 0))  # the next block's first: at least this one's last
         f = tl.zeros([BLOCK], dtype=tl.int32) + f_first.to(tl.int32)
@@ -180,7 +193,10 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
                 first_row = tl.load(info + f * 3, mask=in_values, other=0)
                 rel = tl.load(info + f * 3 + 2, mask=in_values, other=0)
                 new = hot_ids(v.to(tl.int64), in_values & ~bad, first_row, rel, words)
-            tl.store(out + first + lane, new.to(out.dtype.element_ty), mask=in_values)
+            if whole:
+                tl.store(out + first + lane, new.to(out.dtype.element_ty))
+            else:
+                tl.store(out + first + lane, new.to(out.dtype.element_ty), mask=in_values)
         if CHECK:
             if first <= FB:  # (offsets end at FB: most blocks lie past them)
                 last = tl.minimum(FB - first, BLOCK).to(tl.int32)  # lane of offsets[FB], or BLOCK
