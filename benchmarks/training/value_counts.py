@@ -11,10 +11,10 @@ last values dropped so that the count is 0 or 15 modulo 16, default checks: GPU 
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import embfuse
 from embfuse.bench.collection import make_batch, make_collection
+from embfuse.bench.runner import gpu_kernels
 from embfuse.bench.workloads import Workload, generate_batch
 
 CALLS = 20
@@ -83,19 +83,11 @@ def step_of(module, batch, train):
 
 
 def kernels(fn) -> dict[str, float]:
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for _ in range(3):
+    for _ in range(2):  # (gpu_kernels calls it once more before it profiles)
         fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            torch.bitwise_not(flush, out=flush)
-            fn()
-        torch.cuda.synchronize()
     per = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "bitwise_not" not in e.name:
-            per[e.name[:60]] += e.time_range.elapsed_us() / CALLS
+    for name, us in gpu_kernels(fn, CALLS).items():
+        per[name[:60]] += us
     return per
 
 

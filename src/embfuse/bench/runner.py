@@ -74,8 +74,13 @@ def host_us(fn, calls: int = 200) -> float:
 def gpu_us(fn, calls: int = 20) -> float:
     """GPU time of one call of `fn`: the summed duration of its GPU work (kernels, copies,
     fills; the profiler's) over `calls` calls, each after an L2 flush as in do_bench. Gaps
-    between kernels (the host's time) are not counted. The flush (a bitwise_not over 256 MB,
-    an op no lookup uses) is told apart by its kernel's name."""
+    between kernels (the host's time) are not counted."""
+    return sum(gpu_kernels(fn, calls).values())
+
+
+def gpu_kernels(fn, calls: int = 20) -> dict[str, float]:
+    """gpu_us by the name of each kernel (or copy, or fill): its GPU time per call of `fn`. The
+    flush (a bitwise_not over 256 MB, an op no lookup uses) is told apart by its kernel's name."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,7 +95,11 @@ def gpu_us(fn, calls: int = 20) -> float:
     work = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     flushes = [e for e in work if "bitwise_not" in e.name]
     assert len(flushes) == calls, f"{len(flushes)} flush kernels profiled for {calls} calls"
-    return sum(e.time_range.elapsed_us() for e in work if "bitwise_not" not in e.name) / calls
+    per = {}
+    for e in work:
+        if "bitwise_not" not in e.name:
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return per
 
 
 def _graph_us(fn) -> float | None:
