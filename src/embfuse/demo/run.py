@@ -96,8 +96,9 @@ WARMUP_STEPS = 5  # not timed: Triton compiles each kernel on its first call
 def restarts_timing(epoch: int, step: int) -> bool:
     """Whether the throughput's count starts again before this step of `epoch` (both from 0):
     after WARMUP_STEPS steps, and again at the second epoch. A fresh machine's first epoch
-    compiles a Triton kernel for each batch shape it meets, its last (smaller) batch's too, which
-    can take longer than all the epochs' training (benchmarks/NOTES.md, session 62)."""
+    compiles Triton kernels, which took longer than all the epochs' training when kernels were
+    specialised on each batch's count of ids (benchmarks/NOTES.md, sessions 62 and 63); a batch
+    that takes another launch shape can still compile its own."""
     return (epoch, step) in ((0, WARMUP_STEPS), (1, 0))
 
 
