@@ -25,9 +25,10 @@ _POOL: list[ThreadPoolExecutor] = []
 
 
 def copy_all(pairs: Sequence[tuple[Tensor, Tensor]], side: Callable[[], None] | None = None) -> None:
-    """`dst.copy_(src)` for every (dst, src) host pair, spread over a few threads when there is
-    enough to copy: one thread copied into pinned memory at 5.5 GB/s on the H100 machine's host,
-    8-12 threads at 13-14 GB/s (copy_ releases the GIL). `side`, if given, runs beside them."""
+    """`dst.copy_(src)` for every (dst, src) host pair, spread over up to 12 threads when there
+    is enough to copy: copy_ releases the GIL, and one thread copied into pinned memory at about
+    a third of what 8-12 did on the H100 machine's host (benchmarks/NOTES.md, session 13).
+    `side`, if given, runs beside them."""
     total = sum(src.numel() * src.element_size() for _, src in pairs)
     workers = min(12, os.cpu_count() or 1)
     if total < PARALLEL_BYTES or workers < 2:

@@ -145,8 +145,8 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
     features at the blocks' first values come from one count of the feature starts, all blocks
     at once (_features_at), each value's from the few feature starts inside its block:
     almost every block lies in one feature. The per-bag pass it replaces (8 bags a program) left
-    lanes idle on short bags (~1.3 TB/s); a binary search per value was latency-bound
-    (benchmarks/NOTES.md, sessions 10 and 14). REMAP, HOT, CHECK: as check_ids_program (info:
+    lanes idle on short bags; a binary search per value was latency-bound (benchmarks/NOTES.md,
+    sessions 10 and 14). REMAP, HOT, CHECK: as check_ids_program (info:
     ops/residency.py Resident.info).
     TAIL: a padded batch (sparse/padded.py): offsets end at most at n, and the values after
     offsets[FB] belong to no bag and are neither checked nor remapped."""
