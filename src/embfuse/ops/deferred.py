@@ -1,12 +1,13 @@
 """The deferred check: validation on the GPU without a host synchronisation per call.
 
 One pass over a batch (a Triton kernel in ops/check_kernels.py: `_check_ids_kernel` for one
-table's flat ids and offsets, `_check_bags_kernel` for a keyed batch's bags) ORs its findings into the call's `status`
-tensor, int32 [flags, ticket]. A small single-table eager lookup runs that pass as the first
-programs of its own pooling launch instead (take_fold): one launch fewer, tens of microseconds of
-host time. Every later kernel of the call reads status once per program, outside its loops: a
-forward of a bad batch pools no row (zeros), a backward writes no gradient row and a fused
-optimizer updates nothing, so weights and optimizer state stay bitwise unchanged.
+table's flat ids and offsets, `_check_bags_kernel` for a keyed batch's bags) ORs its findings
+into the call's `status` tensor, int32 [flags, ticket]. A small single-table eager lookup runs
+that pass as the first programs of its own pooling launch instead (take_fold): one launch
+fewer, tens of microseconds of host time. Every later kernel of the call reads status once per
+program, outside its loops: a forward of a bad batch pools no row (zeros), a backward writes no
+gradient row and a fused optimizer updates nothing, so weights and optimizer state stay bitwise
+unchanged.
 The last program of the check also writes its verdict into pinned host memory (`DeviceLog`),
 which the host reads without waiting: the error is raised by the first embfuse call that starts
 after the GPU has checked the batch, and at the latest by `embfuse.check_errors()`, which waits.
