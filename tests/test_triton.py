@@ -20,7 +20,8 @@ from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTenso
 from embfuse._triton import _direct
 from embfuse.ops.bags import POOLINGS
 from embfuse.ops.embedding_bag import _embedding_bag_fwd_checked_kernel, _embedding_bag_fwd_kernel
-from embfuse.optim import SGD, Adam
+from embfuse.ops import tuning
+from embfuse.optim import SGD, Adagrad, Adam
 from tests.conftest import DEVICES
 from .tolerances import assert_close, random_bags
 
@@ -60,14 +61,35 @@ def _variants() -> dict:
     return out
 
 
+def _batch(short: int):
+    """128 bags of 32 ids (64 a feature for two features) less `short` ids in the last bag: its
+    lengths, values and starts."""
+    lengths = torch.full((128,), 32, device="cuda")
+    lengths[-1] -= short
+    values = torch.randint(0, 500, (int(lengths.sum()),), device="cuda")
+    return lengths, values, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+
+
+def _no_new_variants(steps) -> None:
+    """steps(short) on batches whose counts are a multiple of 16 and then are not (for both parities
+    of the checks' status pairs, several calls each) compiles no variant after the first batch."""
+    steps(0)
+    torch.cuda.synchronize()
+    before = _variants()
+    for short in (1, 7, 16, 0):
+        steps(short)
+    torch.cuda.synchronize()
+    grew = {k: (before.get(k), v) for k, v in _variants().items() if v != before.get(k)}
+    assert not grew, grew
+
+
 @pytest.mark.gpu
 def test_a_batchs_counts_compile_no_new_kernel_variants():
     """Triton specialises an int on divisibility by 16 and on the value 1, and a pointer on its
     alignment: a count of values (or a status pair) that does so differently from batch to batch
     would compile a variant in the middle of training, about half a second each (the demo's first
-    epoch: benchmarks/NOTES.md, session 63). Batches of 64 bags of up to 32 ids a feature, whose
-    counts are a multiple of 16 and then are not; several calls each, for both parities of the
-    checks' status pairs."""
+    epoch: benchmarks/NOTES.md, session 63). The default path: a collection (Adam), a bag and a
+    gather module with fused updates."""
     configs = [EmbeddingBagConfig(1000, 16, "t0", feature_names=["f0"]),
                EmbeddingBagConfig(500, 8, "t1", feature_names=["f1"])]
     ebc = EmbeddingBagCollection(configs, device="cuda", optimizer=Adam(lr=0.01))
@@ -75,23 +97,54 @@ def test_a_batchs_counts_compile_no_new_kernel_variants():
     gather = embfuse.nn.Embedding(500, 16, optimizer=SGD(lr=0.1), device="cuda")
 
     def steps(short: int) -> None:
-        lengths = torch.full((128,), 32, device="cuda")
-        lengths[-1] -= short
-        values = torch.randint(0, 500, (int(lengths.sum()),), device="cuda")
+        lengths, values, starts = _batch(short)
         kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=64)
-        starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
         for _ in range(3):
             ebc(kjt).values().sum().backward()
             bag(values, starts).sum().backward()
             gather(values).sum().backward()
-        torch.cuda.synchronize()
 
-    steps(0)
-    before = _variants()
-    for short in (1, 7, 16, 0):
-        steps(short)
-    grew = {k: (before.get(k), v) for k, v in _variants().items() if v != before.get(k)}
-    assert not grew, grew
+    _no_new_variants(steps)
+
+
+@pytest.mark.gpu
+def test_a_batchs_counts_compile_no_new_variants_of_the_separate_check_or_dense_backward(monkeypatch):
+    """The same, where a batch's ids are checked in a launch of their own (more than
+    tuning.FOLD_IDS of them; here the threshold is lowered) and gradients are dense."""
+    monkeypatch.setattr(tuning, "FOLD_IDS", 0)
+    monkeypatch.setattr(tuning, "FOLD_GATHER_IDS", 0)
+    weight = torch.randn(500, 16, device="cuda", requires_grad=True)
+
+    def steps(short: int) -> None:
+        _, values, starts = _batch(short)
+        for _ in range(3):
+            embfuse.embedding_bag(values, weight, starts, mode="mean").sum().backward()
+            embfuse.embedding(values, weight).sum().backward()
+            weight.grad = None
+
+    _no_new_variants(steps)
+
+
+@pytest.mark.gpu
+def test_a_batchs_counts_compile_no_new_variants_of_combiners_or_hot_rows():
+    """The same for TensorFlow's combiners (sqrtn, mean) with fused Adagrad, and for a collection
+    that trains hot rows apart."""
+    tables = [EmbeddingBagConfig(500, 16, "t0", feature_names=["f0"], combiner="sqrtn"),
+              EmbeddingBagConfig(500, 8, "t1", feature_names=["f1"], combiner="mean")]
+    combiners = EmbeddingBagCollection(tables, device="cuda", optimizer=Adagrad(lr=0.1))
+    hot = EmbeddingBagCollection([EmbeddingBagConfig(500, 16, "t0", feature_names=["f0"]),
+                                  EmbeddingBagConfig(500, 8, "t1", feature_names=["f1"])],
+                                 device="cuda", optimizer=SGD(lr=0.1), hot_rows=16, hot_refresh=2**62,
+                                 hot_min_values=0)
+
+    def steps(short: int) -> None:
+        lengths, values, _ = _batch(short)
+        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=64)
+        for _ in range(3):
+            combiners(kjt).values().sum().backward()
+            hot(kjt).values().sum().backward()
+
+    _no_new_variants(steps)
 
 
 def _refuse(*args, **kwargs):
