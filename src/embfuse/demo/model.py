@@ -31,9 +31,12 @@ class EmbfuseSparse(nn.Module):
         tables = [embfuse.EmbeddingBagConfig(n, dim, name=f, feature_names=[f],
                                              pooling="mean" if f in multi_hot else "sum") for f, n in rows.items()]
         self.ebc = embfuse.EmbeddingBagCollection(tables, device=device, optimizer=embfuse.optim.Adagrad(lr=lr))
+        self.dim = dim
 
-    def forward(self, kjt) -> list[torch.Tensor]:
-        return list(self.ebc(kjt).to_dict().values())
+    def forward(self, kjt) -> torch.Tensor:
+        """(B, F, dim): the collection's pooled rows, every feature's side by side in one tensor, viewed
+        per feature (as TorchRec's DLRM reads its KeyedTensor): no split and no copy."""
+        return self.ebc(kjt).values().unflatten(1, (-1, self.dim))
 
     def step(self):
         """Nothing: the backward already updated the touched rows."""
@@ -53,6 +56,7 @@ class TorchSparse(nn.Module):
         self.opt = torch.optim.Adagrad(self.bags.parameters(), lr=lr)
 
     def forward(self, kjt) -> list[torch.Tensor]:
+        """One (B, dim) tensor a feature."""
         parts = kjt.to_dict()
         return [bag(parts[f].values(), parts[f].offsets()[:-1]) for f, bag in self.bags.items()]
 
@@ -79,7 +83,8 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, kjt) -> torch.Tensor:
         d = self.bottom(dense)
-        z = torch.stack([d, *self.sparse(kjt)], 1)  # (B, 1 + F, dim)
+        e = self.sparse(kjt)  # (B, F, dim), or F tensors of (B, dim): each front end's own form
+        z = torch.cat([d.unsqueeze(1), e], 1) if torch.is_tensor(e) else torch.stack([d, *e], 1)  # (B, 1 + F, dim)
         dots = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([d, dots], 1)).squeeze(1)
 
