@@ -19,8 +19,8 @@ from torch import Tensor
 from embfuse import _handles
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
-from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, META_COLUMNS,
-                              K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED,
+from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, MEAN,
+                              META_COLUMNS, K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED,
                               WEIGHT_SUMS, accumulation, index_sum,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
@@ -294,23 +294,25 @@ def _feature_runs(values, offsets, psw, B):
 
 def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim):
     """The CPU path of fp32 and fp64 tables (eager: it reads the feature starts): per feature,
-    torch's native embedding_bag over its table's (rows, dim) view of the flat buffer (sum in the
-    table's dtype, as the reference; each bag then divided by its norm, bags.py), written into
-    the feature's columns."""
+    torch's native embedding_bag over its table's (rows, dim) view of the flat buffer, written
+    into the feature's columns. Its mean where that is embfuse's (no weights: the sum over the
+    count, 0 for an empty bag); else its sum in the table's dtype, as the reference, each bag then
+    divided by its norm (bags.py)."""
     out = weights.new_zeros(B, total_dim)
     if B == 0:
         return out
     meta_rows, norm = meta.tolist(), None
-    if any(m[POOL] in SCALED for m in meta_rows):  # (only these divide: a sum's norm is 1)
+    native = [m[POOL] == MEAN and psw is None for m in meta_rows]  # (torch's own mean)
+    if any(m[POOL] in SCALED and not own for m, own in zip(meta_rows, native)):  # (a sum's norm is 1)
         _, _, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
     values, offsets, psw, starts = _feature_runs(values, offsets, psw, B)
     for f, m in enumerate(meta_rows):
         a, b = starts[f], starts[f + 1]
         table = table_view(weights, m[ELEM_START], m[ROWS], m[DIM])
         pooled = torch.nn.functional.embedding_bag(
-            values[a:b], table, offsets[f * B:(f + 1) * B + 1] - a, mode="sum", include_last_offset=True,
-            per_sample_weights=None if psw is None else psw[a:b].to(table.dtype))
-        if m[POOL] in SCALED:
+            values[a:b], table, offsets[f * B:(f + 1) * B + 1] - a, mode="mean" if native[f] else "sum",
+            include_last_offset=True, per_sample_weights=None if psw is None else psw[a:b].to(table.dtype))
+        if m[POOL] in SCALED and not native[f]:
             pooled = divide_reference(pooled, norm[f * B:(f + 1) * B])
         out[:, m[OUT_COL]:m[OUT_COL] + m[DIM]] = pooled
     return out
