@@ -167,7 +167,7 @@ class SGD(_Rule):
         return Hyper(lr=self.lr, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
-        return w - self.lr * self.decayed(g, w), state
+        return torch.add(w, self.decayed(g, w), alpha=-self.lr), state
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,8 @@ class Adagrad(_Rule):
     def update(self, w, g, state, step):
         lr = self.hyper(step).lr
         g = self.decayed(g, w)
-        s = state["sum"] + g * g
-        return w - lr * g / (s.sqrt() + self.eps), {"sum": s}
+        s = state["sum"].addcmul(g, g)
+        return w.addcdiv(g, s.sqrt().add_(self.eps), value=-lr), {"sum": s}
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class RowWiseAdagrad(_Rule):
     def update(self, w, g, state, step):
         g = self.decayed(g, w)
         s = state["sum"] + (g * g).mean(dim=1)
-        return w - self.lr * g / (s.sqrt() + self.eps)[:, None], {"sum": s}
+        return w.addcdiv(g, s.sqrt().add_(self.eps)[:, None], value=-self.lr), {"sum": s}
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class Adam(_Rule):
         g = self.decayed(g, w)
         m = state["exp_avg"].lerp(g, c1)
         v = state["exp_avg_sq"].lerp(g * g, c2)
-        return w - lr_t * m / (v.sqrt() / bc2_sqrt + eps), {"exp_avg": m, "exp_avg_sq": v}
+        return w.addcdiv(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr_t), {"exp_avg": m, "exp_avg_sq": v}
 
 
 def init_state(optimizer, num_rows: int, dim: int, device, num_elements: int | None = None) -> dict[str, torch.Tensor]:
