@@ -20,8 +20,8 @@ from embfuse import _handles
 from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op, launch, needs_op, tl, tracing,
                               triton, use_kernels)
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, MEAN,
-                              META_COLUMNS, K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START, ROWS, SCALED,
-                              WEIGHT_SUMS, accumulation, index_sum,
+                              META_COLUMNS, K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START,
+                              ROWS, SCALED, WEIGHT_SUMS, accumulation, index_sum,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
