@@ -222,6 +222,33 @@ def test_collection_check_kernel_agrees_with_torch_check(dtype, data, F, B, bloc
         check_errors()
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), F=st.integers(1, 5), B=st.integers(1, 4), dtype=st.sampled_from([torch.int64, torch.int32]))
+def test_a_keyed_batchs_check_by_each_features_extremes_flags_what_every_value_does(data, F, B, dtype):
+    """The torch-op check of a keyed batch of many ids a feature (RUN_CHECK_IDS; here every
+    batch) reads each feature's smallest and largest id; it flags a bad id exactly where in_range,
+    which compares every value with its feature's limit, finds one. Limits < 0: features whose
+    ids < 0 are allowed (TensorFlow's safe rules); empty features too."""
+    import itertools
+
+    from embfuse.ops import validate
+
+    limits = data.draw(st.lists(st.sampled_from([1, 5, 9, -1, -9]), min_size=F, max_size=F))
+    lengths = data.draw(st.lists(st.integers(0, 4), min_size=F * B, max_size=F * B))
+    feature = [g // B for g, length in enumerate(lengths) for _ in range(length)]
+    # good ids of each value's feature, then at most one at or past an edge of its table
+    values = [data.draw(st.integers(-2 if limits[f] < 0 else 0, abs(limits[f]) - 1)) for f in feature]
+    if values and data.draw(st.booleans()):
+        at = data.draw(st.integers(0, len(values) - 1))
+        edge = abs(limits[feature[at]])
+        values[at] = data.draw(st.sampled_from([-2, -1, 0, edge - 1, edge, edge + 3]))
+    limits, values = torch.tensor(limits), torch.tensor(values, dtype=dtype)
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    every = BAD_ID if not bool(validate.in_range(values, limits, B, offsets).all()) else 0
+    with unittest.mock.patch.object(validate, "RUN_CHECK_IDS", 0):
+        assert validate._collection_flags_reference(values, offsets, limits, B) == every
+
+
 def test_errors_are_catchable_as_torch_raises_them():
     """Code written for torch catches its exception classes and matches its wording: the same
     inputs raise exceptions of those classes here (besides ValueError / TypeError), with the
