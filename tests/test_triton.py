@@ -1,7 +1,7 @@
 """embfuse._triton: the direct launcher (calls that Triton would compile differently, a pointer
 off 16-byte alignment, an int equal to 1 or a multiple of 16, get their own kernel; a batch's
-counts, which change from batch to batch, compile none) and the eager autograd path of the
-registered ops (eager_autograd, backward_needs_op)."""
+counts of values and of examples, which change from batch to batch, compile none) and the eager
+autograd path of the registered ops (eager_autograd, backward_needs_op)."""
 
 import contextlib
 import functools
@@ -18,7 +18,9 @@ import sys
 import embfuse
 from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from embfuse._triton import _direct
+from embfuse.distributed.assembly import move_columns, move_table
 from embfuse.ops.bags import POOLINGS
+from embfuse.ops.chain import layer_norm_act
 from embfuse.ops.embedding_bag import _embedding_bag_fwd_checked_kernel, _embedding_bag_fwd_kernel
 from embfuse.ops import tuning
 from embfuse.optim import SGD, Adagrad, Adam
@@ -61,23 +63,29 @@ def _variants() -> dict:
     return out
 
 
-def _batch(short: int):
-    """128 bags of 32 ids (64 a feature for two features) less `short` ids in the last bag: its
-    lengths, values and starts."""
-    lengths = torch.full((128,), 32, device="cuda")
+def _batch(short: int, examples: int):
+    """2 * examples bags of 32 ids (two features of `examples` bags) less `short` ids in the last
+    bag: its lengths, values and starts."""
+    lengths = torch.full((2 * examples,), 32, device="cuda")
     lengths[-1] -= short
     values = torch.randint(0, 500, (int(lengths.sum()),), device="cuda")
     return lengths, values, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
 
 
+# (ids taken off the last bag, examples): counts of values that are a multiple of 16 and then are not, at
+# 64 examples; then a last, smaller batch of 50 examples and a batch of one (an int equal to 1 is also
+# specialised), and 64 again
+BATCHES = ((1, 64), (7, 64), (16, 64), (0, 64), (0, 50), (3, 50), (0, 1), (5, 1), (0, 64))
+
+
 def _no_new_variants(steps) -> None:
-    """steps(short) on batches whose counts are a multiple of 16 and then are not (for both parities
-    of the checks' status pairs, several calls each) compiles no variant after the first batch."""
-    steps(0)
+    """steps(short, examples) on BATCHES (both parities of the checks' status pairs, several calls
+    each) compiles no variant after the first batch (0, 64)."""
+    steps(0, 64)
     torch.cuda.synchronize()
     before = _variants()
-    for short in (1, 7, 16, 0):
-        steps(short)
+    for short, examples in BATCHES:
+        steps(short, examples)
     torch.cuda.synchronize()
     grew = {k: (before.get(k), v) for k, v in _variants().items() if v != before.get(k)}
     assert not grew, grew
@@ -86,19 +94,19 @@ def _no_new_variants(steps) -> None:
 @pytest.mark.gpu
 def test_a_batchs_counts_compile_no_new_kernel_variants():
     """Triton specialises an int on divisibility by 16 and on the value 1, and a pointer on its
-    alignment: a count of values (or a status pair) that does so differently from batch to batch
-    would compile a variant in the middle of training, about half a second each (the demo's first
-    epoch: benchmarks/NOTES.md, session 63). The default path: a collection (Adam), a bag and a
-    gather module with fused updates."""
+    alignment: a count of values or of examples (or a status pair) that does so differently from
+    batch to batch would compile a variant in the middle of training, about half a second each
+    (the demo's first epoch and its last, smaller batch: benchmarks/NOTES.md, sessions 63 and 65).
+    The default path: a collection (Adam), a bag and a gather module with fused updates."""
     configs = [EmbeddingBagConfig(1000, 16, "t0", feature_names=["f0"]),
                EmbeddingBagConfig(500, 8, "t1", feature_names=["f1"])]
     ebc = EmbeddingBagCollection(configs, device="cuda", optimizer=Adam(lr=0.01))
     bag = embfuse.nn.EmbeddingBag(500, 16, mode="sum", optimizer=SGD(lr=0.1), device="cuda")
     gather = embfuse.nn.Embedding(500, 16, optimizer=SGD(lr=0.1), device="cuda")
 
-    def steps(short: int) -> None:
-        lengths, values, starts = _batch(short)
-        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=64)
+    def steps(short: int, examples: int) -> None:
+        lengths, values, starts = _batch(short, examples)
+        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=examples)
         for _ in range(3):
             ebc(kjt).values().sum().backward()
             bag(values, starts).sum().backward()
@@ -115,8 +123,8 @@ def test_a_batchs_counts_compile_no_new_variants_of_the_separate_check_or_dense_
     monkeypatch.setattr(tuning, "FOLD_GATHER_IDS", 0)
     weight = torch.randn(500, 16, device="cuda", requires_grad=True)
 
-    def steps(short: int) -> None:
-        _, values, starts = _batch(short)
+    def steps(short: int, examples: int) -> None:
+        _, values, starts = _batch(short, examples)
         for _ in range(3):
             embfuse.embedding_bag(values, weight, starts, mode="mean").sum().backward()
             embfuse.embedding(values, weight).sum().backward()
@@ -137,12 +145,38 @@ def test_a_batchs_counts_compile_no_new_variants_of_combiners_or_hot_rows():
                                  device="cuda", optimizer=SGD(lr=0.1), hot_rows=16, hot_refresh=2**62,
                                  hot_min_values=0)
 
-    def steps(short: int) -> None:
-        lengths, values, _ = _batch(short)
-        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=64)
+    def steps(short: int, examples: int) -> None:
+        lengths, values, _ = _batch(short, examples)
+        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride=examples)
         for _ in range(3):
             combiners(kjt).values().sum().backward()
             hot(kjt).values().sum().backward()
+
+    _no_new_variants(steps)
+
+
+@pytest.mark.gpu
+def test_a_batchs_size_compiles_no_new_variants_of_vbe_the_feature_chain_or_the_assembly():
+    """The same for a batch with a batch size per feature (TorchRec's VBE: the kernel that pads its
+    lengths), the per-feature LayerNorm chain of the FX passes (forward and backward) and a
+    sharded collection's output assembly (both ways)."""
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(500, 16, "t0", feature_names=["f0", "f1"])], device="cuda")
+    norm = torch.randn(2, 16, device="cuda", requires_grad=True)
+    table = move_table([(1, 0, 16, 0), (0, 0, 16, 16)], [16, 16], "cuda")
+
+    def steps(short: int, examples: int) -> None:
+        lengths, values, _ = _batch(short, examples)
+        strides = [examples, max(1, examples // 2)]
+        lengths = lengths[-sum(strides):]  # (the short bag is the last)
+        values = values[-int(lengths.sum()):]
+        inverse = torch.stack([torch.arange(examples, device="cuda") % s for s in strides])
+        kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, stride_per_key_per_rank=[[s] for s in strides],
+                                inverse_indices=(["f0", "f1"], inverse))
+        side, out = torch.randn(examples * 32, device="cuda"), torch.empty(examples, 32, device="cuda")
+        for _ in range(3):
+            layer_norm_act(ebc(kjt).values().view(examples, 2, 16), norm, act="tanh").sum().backward()
+            move_columns(side, out, table, examples, 16, to_out=True)
+            move_columns(side, out, table, examples, 16, to_out=False)
 
     _no_new_variants(steps)
 

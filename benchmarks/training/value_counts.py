@@ -1,13 +1,16 @@
-"""What a batch's count of values costs when it is not a multiple of 16 (one device call). Triton
-specialises an integer argument on divisibility by 16, so a kernel taking the count compiles
-one variant for counts that are and one for counts that are not. A jagged batch's count is a
-multiple of 16 one time in 16; fixed-hotness benchmarks always are. Same batches, with the
-last values dropped so that the count is 0 or 15 modulo 16, default checks: GPU time per kernel
-(profiler, L2 flushed before each call, 20 calls, the two variants alternated twice).
+"""What a batch's count of values, or of examples, costs when it is not a multiple of 16 (one device
+call). Triton specialises an integer argument on divisibility by 16, so a kernel taking the count
+compiles one variant for counts that are and one for counts that are not, unless the kernel says
+do_not_specialize, as embfuse's do for both counts. A jagged batch's count of values is a multiple
+of 16 one time in 16; fixed-hotness benchmarks always are, and benchmark batch sizes too. Same
+batches, with the last values (or the last example) dropped so that the count is 0 or 15 modulo 16,
+default checks: GPU time per kernel (profiler, L2 flushed before each call, 20 calls, the two
+variants alternated twice). `--examples`: the count of examples; without it, of values.
 
-    PYTHONPATH=src python3 benchmarks/training/value_counts.py
+    PYTHONPATH=src python3 benchmarks/training/value_counts.py [--examples]
 """
 
+import sys
 from collections import defaultdict
 
 import torch
@@ -18,6 +21,7 @@ from embfuse.bench.runner import gpu_kernels
 from embfuse.bench.workloads import Workload, generate_batch
 
 CALLS = 20
+EXAMPLES = "--examples" in sys.argv[1:]
 
 
 def drop_tail(lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -32,9 +36,9 @@ def drop_tail(lengths: torch.Tensor, k: int) -> torch.Tensor:
     return lengths
 
 
-def counts(n: int) -> dict[str, int]:
-    """values to drop for a count that is a multiple of 16, and for one that is not"""
-    return {"n % 16 == 0": n % 16, "n % 16 == 15": (n % 16 + 1) % 16 or 16}
+def counts(n: int, name: str = "n") -> dict[str, int]:
+    """values (or examples) to drop for a count that is a multiple of 16, and for one that is not"""
+    return {f"{name} % 16 == 0": n % 16, f"{name} % 16 == 15": (n % 16 + 1) % 16 or 16}
 
 
 def single(optimizer, batch=16384, hotness=20, bounds_check="deferred"):
@@ -44,6 +48,10 @@ def single(optimizer, batch=16384, hotness=20, bounds_check="deferred"):
                                      bounds_check=bounds_check)
     lengths = offsets.diff()
     out = {}
+    if EXAMPLES:  # the first B - k bags
+        for name, k in counts(batch, "B").items():
+            out[name] = (ids[:int(offsets[batch - k])], offsets[:batch - k])
+        return module, out
     for name, k in counts(ids.numel()).items():
         cut = drop_tail(lengths, k)
         starts = torch.cat([cut.new_zeros(1), cut.cumsum(0)[:-1]])
@@ -63,6 +71,14 @@ def collection(optimizer):
     kjt = make_batch(w, "cuda")
     ebc = make_collection(w, "cuda", optimizer)
     out = {}
+    if EXAMPLES:  # each feature's first B - k examples
+        for name, k in counts(w.batch, "B").items():
+            keep = torch.arange(w.batch, device="cuda").repeat(w.tables) < w.batch - k
+            lengths = kjt.lengths()[keep]
+            values = kjt.values()[torch.repeat_interleave(keep, kjt.lengths())]
+            out[name] = (embfuse.KeyedJaggedTensor(kjt.keys(), values, lengths=lengths, stride=w.batch - k,
+                                                   length_per_key=lengths.view(w.tables, -1).sum(1).tolist()),)
+        return ebc, out
     for name, k in counts(kjt.values().numel()).items():
         lengths = drop_tail(kjt.lengths(), k)
         out[name] = (embfuse.KeyedJaggedTensor(kjt.keys(), kjt.values()[:kjt.values().numel() - k], lengths=lengths,
@@ -97,6 +113,8 @@ CASES = (("one table 1M x 128, B16384 ~20 ids", single, (False, True)),
          ("embedding 1M x 128, 327680 ids", gather, (False, True)),
          ("26-table collection, B16384 ~20 ids", collection, (False, True)))
 for case, build, trains in CASES:
+    if EXAMPLES and build is gather:
+        continue  # (no examples)
     for train in trains:
         module, batches = build(embfuse.optim.SGD(lr=0.01) if train else None)
         seen = defaultdict(lambda: defaultdict(list))

@@ -17,7 +17,8 @@ from embfuse._triton import cdiv, launch, next_pow2, tl, triton, use_kernels
 BLOCK_B = 32  # rows a program
 
 
-@triton.jit
+# (a batch's size is not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["B"])
 def _move_columns_kernel(side, out, moves, B, total, TO_OUT: tl.constexpr, BLOCK_B: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     m = tl.program_id(1)

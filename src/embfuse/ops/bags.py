@@ -324,7 +324,7 @@ def pool_bag(weight, indices, psw, start, end, cols, cmask, stride_w, padding_id
 # ---- the backward's inputs: one (key, bag, scale) a value, for the segment reduction ----
 
 # (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "FB", "B"])
 def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys, bag_out, scale_out, n, FB, B,
                             stride_m, padding_idx, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
                             PADDING: tl.constexpr, NORM_PASS: tl.constexpr, COLD: tl.constexpr,

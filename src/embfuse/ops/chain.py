@@ -80,7 +80,8 @@ def _tile(x, weight, bias, at, mask, f, D, eps, HAS_W: tl.constexpr, HAS_B: tl.c
     return xhat, rstd, z
 
 
-@triton.jit
+# (a batch's size is not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["B"])
 def _layer_norm_act_fwd_kernel(x, weight, bias, y, B, N, D, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                                ACT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     b0 = tl.program_id(0) * BLOCK_B
@@ -90,7 +91,7 @@ def _layer_norm_act_fwd_kernel(x, weight, bias, y, B, N, D, eps, HAS_W: tl.const
     tl.store(y + at, chain_activation(z, ACT).to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _layer_norm_act_bwd_kernel(dy, x, weight, bias, dx, dw_part, db_part, B, N, D, eps, HAS_W: tl.constexpr,
                                HAS_B: tl.constexpr, ACT: tl.constexpr, BLOCK_B: tl.constexpr,
                                BLOCK_D: tl.constexpr):

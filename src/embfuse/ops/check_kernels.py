@@ -110,7 +110,7 @@ def check_ids_program(pid, programs, indices, n, offsets, n_offsets, num_embeddi
         _report(status, ring, slot, seq, flags, programs)
 
 
-@triton.jit(do_not_specialize=["slot", "seq", "n"])
+@triton.jit(do_not_specialize=["slot", "seq", "n", "n_offsets"])
 def _check_ids_kernel(indices, n, offsets, n_offsets, num_embeddings, status, status_next, ring, slot, seq, out, info,
                       words, BLOCK: tl.constexpr, CHECK: tl.constexpr, REMAP: tl.constexpr, CLAMP_LAST: tl.constexpr,
                       HOT: tl.constexpr):
@@ -135,7 +135,7 @@ def _features_at(offsets, p, B, F, FBLOCK: tl.constexpr):
 
 # F is never a constant: with F == 1 the feature search folds away and Triton 3.6's coalesce
 # pass asserted on the one-limit branch below (an H100 run, benchmarks/NOTES.md session 16)
-@triton.jit(do_not_specialize=["slot", "seq", "F", "n"])
+@triton.jit(do_not_specialize=["slot", "seq", "F", "n", "FB", "B"])
 def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next, ring, slot, seq, out, info, words,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FBLOCK: tl.constexpr, CHECK: tl.constexpr,
                        REMAP: tl.constexpr, MAX_ID: tl.constexpr, TAIL: tl.constexpr, HOT: tl.constexpr):

@@ -123,7 +123,8 @@ def collection_reference(weights, values, offsets, psw, meta, B, total_dim, max_
     return out.view(B, total_dim).to(weights.dtype)
 
 
-@triton.jit
+# (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["B"])
 def _collection_fwd_kernel(
     weights, values, offsets, psw, status, meta, out, B, stride_o, stride_m, ln_w, ln_b, eps,
     HAS_PSW: tl.constexpr, WSUM: tl.constexpr, SKIP: tl.constexpr, STATUS: tl.constexpr, FULL: tl.constexpr,

@@ -57,7 +57,7 @@ def _embedding_fwd_kernel(weight, indices, status, out, n, D, stride_w, stride_o
                  BLOCK_N, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["slot", "seq", "n"])
+@triton.jit(do_not_specialize=["slot", "seq", "n", "checks"])
 def _embedding_fwd_checked_kernel(weight, indices, out, n, D, stride_w, stride_o, num_embeddings, status, statuses,
                                   ring, slot, seq, checks, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                   CHECK_BLOCK: tl.constexpr):

@@ -107,7 +107,7 @@ def _pool_program(bag, col_block, weight, indices, offsets, psw, ok, out, max_id
 
 
 # (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "B"])
 def _embedding_bag_fwd_kernel(
     weight, indices, offsets, psw, status, out, max_ids, D, stride_w, stride_o, padding_idx, n, B,
     MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_PADDING: tl.constexpr, STATUS: tl.constexpr,
@@ -121,7 +121,7 @@ def _embedding_bag_fwd_kernel(
                   BLOCK_D, EVICT)
 
 
-@triton.jit(do_not_specialize=["slot", "seq", "n"])
+@triton.jit(do_not_specialize=["slot", "seq", "n", "B", "n_offsets", "checks"])
 def _embedding_bag_fwd_checked_kernel(
     weight, indices, offsets, psw, out, max_ids, D, stride_w, stride_o, padding_idx,
     n, B, n_offsets, num_embeddings, status, statuses, ring, slot, seq, checks,

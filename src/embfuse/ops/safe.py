@@ -109,7 +109,8 @@ def safe_bags_reference(values: Tensor, offsets: Tensor, psw: Optional[Tensor], 
     return out_v[:-1], new_offsets.to(offsets.dtype), None if psw is None else out_w[:-1]
 
 
-@triton.jit
+# (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["n", "FB", "B", "extra"])
 def _safe_bags_kernel(values, offsets, psw, status, rules, out_v, out_off, out_w, n, FB, B, extra,
                       HAS_PSW: tl.constexpr, STATUS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     """BAGS bags a program: each bag's entries copied BLOCK at a time, dropped ones as SKIPPED

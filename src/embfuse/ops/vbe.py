@@ -35,7 +35,8 @@ def pad_reference(lengths: Tensor, inverse: Optional[Tensor], meta: Tensor, F: i
     return padded, rows.T.contiguous()
 
 
-@triton.jit
+# (a batch's sizes are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["Bp", "Bo", "inverse_stride"])
 def _pad_kernel(lengths, inverse, meta, out, F, Bp, Bo, inverse_stride, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """ROWS False: out[f * Bp + b] = lengths[first of f + b] for b < stride of f, else 0. ROWS
     True: out[b * F + f] = inverse[row of f, b] clamped into [0, stride of f - 1]."""

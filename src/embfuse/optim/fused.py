@@ -161,7 +161,7 @@ def _update_tile(
 # the seed is the step number, and n, src_bags (a plain lookup's count of ids), at and levels a
 # batch's counts: specialising on them (1, multiples of 16) compiled new variants in the middle
 # of training, about half a second each (as for every kernel that takes a batch's count of
-# values; benchmarks/NOTES.md, session 63)
+# values or of examples, B and FB; benchmarks/NOTES.md, sessions 63 and 65)
 @triton.jit(do_not_specialize=["seed", "n", "src_bags", "at", "levels"])
 def _fused_update_kernel(
     keys, n, perm, src_row, scale, src, src_stride, src_bags, src_meta, up_keys, up_vals, up_info, counters,

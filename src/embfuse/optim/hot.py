@@ -85,7 +85,8 @@ class HotRows(_handles.Named):
         self.keys[t, r] = (t << plan.layout.shift) + rows[top] - starts[t]
 
 
-@triton.jit
+# (a batch's counts are not specialised: optim/fused.py _fused_update_kernel says why)
+@triton.jit(do_not_specialize=["FB", "B"])
 def _hot_split_kernel(values, offsets, meta, slot_of, keys, counts, cold, FB, B, stride_m,
                       K: tl.constexpr, CAP: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr):
     g, real, f = program_bags(FB, B, BAGS)
@@ -114,7 +115,7 @@ def _split(x):
     return hi, x - hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "bags_per"])
 def _hot_grad_kernel(counts, grad, stride_g, offsets, meta, hot_keys, shift, partial, entry_keys, B, stride_m, bags_per,
                      ROW_D: tl.constexpr, SCALED: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, BB: tl.constexpr,
                      BLOCK_D: tl.constexpr):
