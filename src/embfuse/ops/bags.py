@@ -335,12 +335,8 @@ def _backward_inputs_kernel(values, offsets, psw, status, meta, cold_start, keys
     scale 0, shared out over the programs. Only then: the fill's code alone made the kernel 25%
     slower on plain batches (H100, benchmarks/NOTES.md session 19)."""
     g, real, f = program_bags(FB, B, BAGS)
-    if (tl.program_id(0) + 1) * BAGS <= FB:  # every bag real (no mask: FB is not specialised)
-        start = tl.load(offsets + g).to(tl.int64)
-        end = tl.load(offsets + g + 1).to(tl.int64)
-    else:
-        start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
-        end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
+    start = tl.load(offsets + g, mask=real, other=0).to(tl.int64)
+    end = tl.load(offsets + g + 1, mask=real, other=0).to(tl.int64)
     if TAIL:
         last = tl.minimum(tl.maximum(tl.load(offsets + FB).to(tl.int64), 0), n)
         share = (n - last + tl.num_programs(0) - 1) // tl.num_programs(0)

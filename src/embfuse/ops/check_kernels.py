@@ -200,12 +200,8 @@ def _check_bags_kernel(values, offsets, limits, n, FB, B, F, status, status_next
         if CHECK:
             if first <= FB:  # (offsets end at FB: most blocks lie past them)
                 last = tl.minimum(FB - first, BLOCK).to(tl.int32)  # lane of offsets[FB], or BLOCK
-                if first + BLOCK <= FB:  # (no mask, as the values' whole blocks: FB is not specialised)
-                    cur = tl.load(offsets + first + lane).to(tl.int64)
-                    nxt = tl.load(offsets + first + lane + 1).to(tl.int64)
-                else:
-                    cur = tl.load(offsets + first + lane, mask=lane <= last, other=0).to(tl.int64)
-                    nxt = tl.load(offsets + first + lane + 1, mask=lane < last, other=0).to(tl.int64)
+                cur = tl.load(offsets + first + lane, mask=lane <= last, other=0).to(tl.int64)
+                nxt = tl.load(offsets + first + lane + 1, mask=lane < last, other=0).to(tl.int64)
                 if TAIL:
                     bad_end = cur > n
                 else:
