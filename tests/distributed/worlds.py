@@ -21,10 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# how long a rank waits for the others to join: `timeout` is the collectives' (a test of a rank that
+# leaves sets it to 5 s), and a rank spawned beside eleven busy pytest workers on the GPU host took
+# longer than that to connect (benchmarks/NOTES.md, session 65)
+RENDEZVOUS_TIMEOUT = 120
+
+
 def _entry(rank, world, port, fn, args, timeout):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     try:
         fn(rank, world, *args)
     finally:
