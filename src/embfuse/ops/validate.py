@@ -199,15 +199,24 @@ def clamp_last_offset(offsets, n):
     return torch.cat([offsets[:-1], offsets[-1:].clamp(min=n)])
 
 
+# (the checks without kernels read Python ints from one reduction each: on the CPU a small
+# batch's check took 12 + 14 us in masks and any() where these take 3 + 8; benchmarks/NOTES.md,
+# session 65)
 def _offsets_bad(offsets, n) -> bool:
-    return offsets is not None and offsets.numel() > 0 and bool(
-        (offsets[1:] < offsets[:-1]).any() | (offsets[0] != 0) | (offsets[-1] > n))
+    if offsets is None or offsets.numel() == 0:
+        return False
+    if int(offsets[0]) != 0 or int(offsets[-1]) > n:
+        return True
+    return offsets.numel() > 1 and int(offsets.diff().min()) < 0
 
 
 def _ids_flags_reference(indices, offsets, num_embeddings, clamp_last=False) -> int:
     if clamp_last:
         offsets = clamp_last_offset(offsets, indices.numel())
-    bad_id = bool(((indices < 0) | (indices >= num_embeddings)).any())
+    bad_id = False
+    if indices.numel():
+        low, high = torch.aminmax(indices)
+        bad_id = int(low) < 0 or int(high) >= num_embeddings
     return BAD_ID * bad_id + BAD_OFFSETS * _offsets_bad(offsets, indices.numel())
 
 
