@@ -199,8 +199,8 @@ def clamp_last_offset(offsets, n):
     return torch.cat([offsets[:-1], offsets[-1:].clamp(min=n)])
 
 
-# (the checks without kernels read Python ints from one reduction each: on the CPU a small
-# batch's check took 12 + 14 us in masks and any() where these take 3 + 8; benchmarks/NOTES.md,
+# (the checks without kernels read Python ints from one reduction each: on the CPU, masks over
+# every id and offset reduced with any() cost a small call several times more; benchmarks/NOTES.md,
 # session 65)
 def _offsets_bad(offsets, n) -> bool:
     if offsets is None or offsets.numel() == 0:
