@@ -249,6 +249,16 @@ def test_a_keyed_batchs_check_by_each_features_extremes_flags_what_every_value_d
         assert validate._collection_flags_reference(values, offsets, limits, B) == every
 
 
+def test_a_keyed_batchs_check_by_each_features_extremes_reads_a_feature_of_one_id():
+    """The same for a feature holding one id, out of range, beside one of good ids."""
+    from embfuse.ops import validate
+
+    values, offsets, limits = torch.tensor([5, 0, 8, 3]), torch.tensor([0, 1, 1, 3, 4]), torch.tensor([5, 9])
+    with unittest.mock.patch.object(validate, "RUN_CHECK_IDS", 0):
+        assert validate._collection_flags_reference(values, offsets, limits, 2) == BAD_ID
+        assert validate._collection_flags_reference(values.clamp(max=4), offsets, limits, 2) == 0
+
+
 def test_errors_are_catchable_as_torch_raises_them():
     """Code written for torch catches its exception classes and matches its wording: the same
     inputs raise exceptions of those classes here (besides ValueError / TypeError), with the

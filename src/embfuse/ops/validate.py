@@ -248,30 +248,29 @@ def _raise_collection(values, offsets, limits, B, keys, tables, skip_ids, positi
         raise BadIdError(_bad_value_message(values, offsets, limits, B, keys, tables, positions)[0])
 
 
-# ids a feature from which a keyed batch's reference check takes each feature's smallest and
-# largest id (one aminmax a feature) rather than in_range's five passes over every value (CPU:
-# 7 features of 1K ids lost 30 us that way, 8 of 41K gained 490; benchmarks/NOTES.md, session 64)
-RUN_CHECK_IDS = 4096
+# ids a feature from which a keyed batch's reference check reads each feature's smallest and
+# largest id (one aminmax a feature, as Python ints) rather than in_range's five passes over every
+# value (benchmarks/NOTES.md, sessions 64 and 65)
+RUN_CHECK_IDS = 1024
 
 
 def _collection_flags_reference(values, offsets, limits, B) -> int:
     """Bad offsets, else in_range's verdict: for long runs (RUN_CHECK_IDS) from each feature's
     smallest and largest id."""
     n = values.numel()
-    lengths = offsets[1:] - offsets[:-1]
-    if bool((lengths < 0).any()) or int(offsets[0]) != 0 or int(offsets[-1]) != n:
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n or (offsets.numel() > 1 and int(offsets.diff().min()) < 0):
         return BAD_OFFSETS
     if B == 0:  # (no bags: good offsets leave no values)
         return 0
     if n < RUN_CHECK_IDS * limits.numel():
         return BAD_ID if not bool(in_range(values, limits, B, offsets).all()) else 0
     starts = offsets[::B].tolist()
-    runs = [(f, a, b) for f, (a, b) in enumerate(zip(starts, starts[1:])) if b > a]
-    if not runs:
-        return 0
-    lo, hi = torch.stack([torch.stack(torch.aminmax(values[a:b])) for _, a, b in runs]).to(torch.int64).unbind(1)
-    limit = limits[[f for f, _, _ in runs]]
-    return BAD_ID if bool((((lo < 0) & (limit >= 0)) | (hi >= limit.abs())).any()) else 0
+    for limit, a, b in zip(limits.tolist(), starts, starts[1:]):
+        if b > a:
+            low, high = torch.aminmax(values[a:b])
+            if (int(low) < 0 and limit >= 0) or int(high) >= abs(limit):
+                return BAD_ID
+    return 0
 
 
 # ---- the one core: modes, the deferred check, skip compaction ----
