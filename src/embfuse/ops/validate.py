@@ -202,10 +202,13 @@ def clamp_last_offset(offsets, n):
 # (the checks without kernels read Python ints from one reduction each: on the CPU, masks over
 # every id and offset reduced with any() cost a small call several times more; benchmarks/NOTES.md,
 # session 65)
-def _offsets_bad(offsets, n) -> bool:
+def _offsets_bad(offsets, n, whole=False) -> bool:
+    """Offsets that do not start at 0, decrease, or end past the n ids (`whole`: anywhere but at
+    n, as a keyed batch's, whose values all belong to its bags)."""
     if offsets is None or offsets.numel() == 0:
         return False
-    if int(offsets[0]) != 0 or int(offsets[-1]) > n:
+    last = int(offsets[-1])
+    if int(offsets[0]) != 0 or last > n or (whole and last != n):
         return True
     return offsets.numel() > 1 and int(offsets.diff().min()) < 0
 
@@ -258,7 +261,7 @@ def _collection_flags_reference(values, offsets, limits, B) -> int:
     """Bad offsets, else in_range's verdict: for long runs (RUN_CHECK_IDS) from each feature's
     smallest and largest id."""
     n = values.numel()
-    if int(offsets[0]) != 0 or int(offsets[-1]) != n or (offsets.numel() > 1 and int(offsets.diff().min()) < 0):
+    if _offsets_bad(offsets, n, whole=True):
         return BAD_OFFSETS
     if B == 0:  # (no bags: good offsets leave no values)
         return 0
