@@ -5,7 +5,7 @@ check_ids_program that a small lookup folds into its own launch."""
 
 import torch
 
-from embfuse._triton import cdiv, constexprs, launch, next_pow2, tl, triton
+from embfuse._triton import cdiv, constexprs, launch, next_pow2, tl, tracing, triton
 from embfuse.ops import tuning
 from embfuse.ops.residency import hot_ids
 
@@ -250,4 +250,4 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         None if resident is None else resident.info, None if resident is None else resident.words,
         BLOCK=block, CHUNKS=chunks, FBLOCK=min(next_pow2(F), tuning.CHECK_FEATURES), CHECK=check is not None,
         REMAP=out is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, HOT=resident is not None,
-        num_warps=tuning.CHECK_WARPS)
+        num_warps=tuning.CHECK_WARPS, **({} if tracing() else dict(maxnreg=tuning.CHECK_MAXNREG)))

@@ -1,0 +1,62 @@
+"""The keyed batch's check with and without tuning.CHECK_MAXNREG (one device call): GPU time per
+call of the check kernel (profiler, L2 flushed before each call, 20 calls; the two settings
+alternated twice in one process), and each compiled variant's registers and spills. The
+26-table Criteo-like collection (D128, power-law ids, bags of 1-39), forward with default checks,
+at three batch sizes (the two larger ones also write the narrowed ids), and the fused SGD step
+with hot rows at B16384 (the check that also remaps hot ids).
+
+    PYTHONPATH=src python3 benchmarks/validation/check_registers.py
+"""
+
+import re
+
+import torch
+
+from embfuse.bench.collection import make_batch, make_collection
+from embfuse.bench.runner import gpu_kernels
+from embfuse.bench.workloads import Workload
+from embfuse.ops import check_kernels, tuning
+from embfuse.optim import SGD
+
+CALLS = 20
+SETTINGS = (None, tuning.CHECK_MAXNREG)
+
+
+def case(batch: int, train: bool):
+    w = Workload("v", "collection", 10_000_000, 128, batch, 20, "powerlaw", 1.05, tables=26)
+    kjt = make_batch(w, "cuda")
+    if not train:
+        ebc = make_collection(w, "cuda")
+
+        def call():
+            with torch.no_grad():
+                ebc(kjt)
+        return call
+    ebc = make_collection(w, "cuda", SGD(lr=0.01), hot_rows=1 << 16)
+
+    def step():
+        ebc(kjt).values().sum().backward()
+    return step
+
+
+for batch, train in ((2048, False), (16384, False), (65536, False), (16384, True)):
+    fn = case(batch, train)
+    seen = {s: [] for s in SETTINGS}
+    for _ in range(2):
+        for s in SETTINGS:
+            tuning.CHECK_MAXNREG = s
+            for _ in range(2):
+                fn()
+            per = gpu_kernels(fn, CALLS)
+            seen[s].append(sum(us for k, us in per.items() if k.startswith("_check_bags_kernel")))
+    what = f"B{batch} {'SGD step, hot rows' if train else 'forward'}"
+    print(f"{what:26s} " + "   ".join(f"maxnreg {s}: " + " / ".join(f"{us:5.1f}" for us in v)
+                                     for s, v in seen.items()) + " us", flush=True)
+tuning.CHECK_MAXNREG = SETTINGS[1]
+names = [p.name for p in check_kernels._check_bags_kernel.params if p.is_constexpr]
+for entry in check_kernels._check_bags_kernel.device_caches.values():
+    for key, kernel in entry[0].items():
+        constexprs = dict(zip(names, re.findall(r"\('constexpr', ([^)]*)\)", str(key))))
+        cap = re.search(r"'maxnreg': (\d+)", str(key))
+        print(f"variant: registers {kernel.n_regs}, spills {kernel.n_spills}, maxnreg {cap and cap[1]}, "
+              + ", ".join(f"{k}={constexprs.get(k)}" for k in ("CHUNKS", "REMAP", "HOT")))
