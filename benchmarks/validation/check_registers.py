@@ -3,7 +3,7 @@ call of the check kernel (profiler, L2 flushed before each call, 20 calls; the t
 alternated twice in one process), and each compiled variant's registers and spills. The
 26-table Criteo-like collection (D128, power-law ids, bags of 1-39), forward with default checks,
 at three batch sizes (the two larger ones also write the narrowed ids), and the fused SGD step
-with hot rows at B16384 (the check that also remaps hot ids).
+with the bench's hot rows at B16384 (the check that also remaps hot ids).
 
     PYTHONPATH=src python3 benchmarks/validation/check_registers.py
 """
@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from embfuse.bench.collection import make_batch, make_collection
+from embfuse.bench.collection import HOT_ROWS, make_batch, make_collection
 from embfuse.bench.runner import gpu_kernels
 from embfuse.bench.workloads import Workload
 from embfuse.ops import check_kernels, tuning
@@ -32,7 +32,7 @@ def case(batch: int, train: bool):
             with torch.no_grad():
                 ebc(kjt)
         return call
-    ebc = make_collection(w, "cuda", SGD(lr=0.01), hot_rows=1 << 16)
+    ebc = make_collection(w, "cuda", SGD(lr=0.01), hot_rows=HOT_ROWS)
 
     def step():
         ebc(kjt).values().sum().backward()
