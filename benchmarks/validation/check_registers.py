@@ -8,7 +8,7 @@ with the bench's hot rows at B16384 (the check that also remaps hot ids).
     PYTHONPATH=src python3 benchmarks/validation/check_registers.py
 """
 
-import re
+import ast
 
 import torch
 
@@ -53,10 +53,10 @@ for batch, train in ((2048, False), (16384, False), (65536, False), (16384, True
     print(f"{what:26s} " + "   ".join(f"maxnreg {s}: " + " / ".join(f"{us:5.1f}" for us in v)
                                      for s, v in seen.items()) + " us", flush=True)
 tuning.CHECK_MAXNREG = SETTINGS[1]
-names = [p.name for p in check_kernels._check_bags_kernel.params if p.is_constexpr]
+names = [p.name for p in check_kernels._check_bags_kernel.params]
 for entry in check_kernels._check_bags_kernel.device_caches.values():
     for key, kernel in entry[0].items():
-        constexprs = dict(zip(names, re.findall(r"\('constexpr', ([^)]*)\)", str(key))))
-        cap = re.search(r"'maxnreg': (\d+)", str(key))
-        print(f"variant: registers {kernel.n_regs}, spills {kernel.n_spills}, maxnreg {cap and cap[1]}, "
-              + ", ".join(f"{k}={constexprs.get(k)}" for k in ("CHUNKS", "REMAP", "HOT")))
+        spec, options = str(key).split("]{", 1)
+        args = dict(zip(names, ast.literal_eval(spec + "]")))
+        print(f"variant: registers {kernel.n_regs}, spills {kernel.n_spills}, {{{options[:-1]}}}, "
+              + ", ".join(f"{k}={args[k][1]}" for k in ("CHECK", "REMAP", "HOT")))
