@@ -59,4 +59,4 @@ for entry in check_kernels._check_bags_kernel.device_caches.values():
         spec, options = str(key).split("]{", 1)
         args = dict(zip(names, ast.literal_eval(spec + "]")))
         print(f"variant: registers {kernel.n_regs}, spills {kernel.n_spills}, {{{options[:-1]}}}, "
-              + ", ".join(f"{k}={args[k][1]}" for k in ("CHECK", "REMAP", "HOT")))
+              + ", ".join(f"{k}={args[k][1]}" for k in ("CHUNKS", "CHECK", "REMAP", "HOT")))

@@ -250,4 +250,4 @@ def launch_bags_check(log, check, values, offsets, limits, B, resident=None, out
         None if resident is None else resident.info, None if resident is None else resident.words,
         BLOCK=block, CHUNKS=chunks, FBLOCK=min(next_pow2(F), tuning.CHECK_FEATURES), CHECK=check is not None,
         REMAP=out is not None, MAX_ID=torch.iinfo(values.dtype).max, TAIL=tail, HOT=resident is not None,
-        num_warps=tuning.CHECK_WARPS, **({} if out is None or tracing() else dict(maxnreg=tuning.CHECK_MAXNREG)))
+        num_warps=tuning.CHECK_WARPS, **({} if chunks == 1 or tracing() else dict(maxnreg=tuning.CHECK_MAXNREG)))

@@ -140,11 +140,11 @@ CHECK_FEATURES = 64
 # warps a program of the keyed batch's check: with 4, its 8 ids a thread took 112 registers and
 # left 25% occupancy on an H100, issue-bound (NOTES: session 16, "what bounds the check")
 CHECK_WARPS = 8
-# registers a thread of that check may take when it also writes the ids (REMAP), in eager
-# launches: with the batch's counts not specialised (e2f8df3) Triton 3.6 gave it 73-74, three
-# blocks an SM; held to 64 (two spilled) it runs four and was 10-13% faster on an H200. The check
-# alone takes 40, and held it only lost (NOTES: session 66, "the keyed check's registers"). A
-# traced launch takes Triton's own count: torch 2.11's wrap_triton passes no maxnreg
+# registers a thread of that check may take when a program takes several blocks (check_chunks),
+# in eager launches: with the batch's counts not specialised (e2f8df3) Triton 3.6 gave it 73-74,
+# three blocks an SM; held to 64 (two spilled) it runs four and was 10-13% faster on an H200. With
+# one block it takes 40, and held it only lost (NOTES: session 66, "the keyed check's registers").
+# A traced launch takes Triton's own count: torch 2.11's wrap_triton passes no maxnreg
 CHECK_MAXNREG = 64
 # entries a program of the variable-batch padding (ops/vbe.py): an elementwise pass of a few
 # hundred thousand entries, the check's block size, not tuned on its own
