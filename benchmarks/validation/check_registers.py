@@ -48,10 +48,11 @@ for batch, train in ((2048, False), (16384, False), (65536, False), (16384, True
             for _ in range(2):
                 fn()
             per = gpu_kernels(fn, CALLS)
-            seen[s].append(sum(us for k, us in per.items() if k.startswith("_check_bags_kernel")))
+            check = sum(us for k, us in per.items() if k.startswith("_check_bags_kernel"))
+            seen[s].append((check, sum(per.values())))
     what = f"B{batch} {'SGD step, hot rows' if train else 'forward'}"
-    print(f"{what:26s} " + "   ".join(f"maxnreg {s}: " + " / ".join(f"{us:5.1f}" for us in v)
-                                     for s, v in seen.items()) + " us", flush=True)
+    cells = ("maxnreg {}: {}".format(s, " / ".join(f"{c:5.1f}, {a:6.1f}" for c, a in v)) for s, v in seen.items())
+    print(f"{what:26s} check, all kernels: " + "   ".join(cells) + " us", flush=True)
 tuning.CHECK_MAXNREG = SETTINGS[1]
 names = [p.name for p in check_kernels._check_bags_kernel.params]
 for entry in check_kernels._check_bags_kernel.device_caches.values():

@@ -143,7 +143,7 @@ CHECK_WARPS = 8
 # registers a thread of that check may take when a program takes several blocks (check_chunks),
 # in eager launches: with the batch's counts not specialised (e2f8df3) Triton 3.6 gave it 73-74,
 # three blocks an SM; held to 64 (two spilled) it runs four and was 10-13% faster on an H200. With
-# one block it takes 40, and held it only lost (NOTES: session 66, "the keyed check's registers").
+# one block it takes 40, under the cap already (NOTES: session 66, "the keyed check's registers").
 # A traced launch takes Triton's own count: torch 2.11's wrap_triton passes no maxnreg
 CHECK_MAXNREG = 64
 # entries a program of the variable-batch padding (ops/vbe.py): an elementwise pass of a few
