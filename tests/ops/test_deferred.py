@@ -398,6 +398,26 @@ def test_compiled_lookup_is_checked():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_compiled_collection_is_checked_with_several_blocks_a_program(monkeypatch, chunks):
+    """A keyed batch's check traced with one block of values a program and with several (the form
+    that eager launches hold to tuning.CHECK_MAXNREG registers, an option a traced launch does not
+    take): the eager result, and a bad id reported at the next check point."""
+    dev = "cuda"
+    torch._dynamo.reset()
+    monkeypatch.setattr(tuning, "check_chunks", lambda n: chunks)
+    ebc = _collection(dev)
+    f = torch.compile(lambda k: ebc(k).values(), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(_kjt(dev)), ebc(_kjt(dev)).values())
+        check_errors()
+        out = f(_kjt(dev, bad_id=True))
+    assert torch.equal(out, torch.zeros_like(out))
+    with pytest.raises(IndexError, match="feature 'iid': values\\[6\\] = 30"):
+        check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("last", [False, True])
 def test_compiled_lookup_takes_torchs_offsets(last):
     """A compiled lookup without gradients given 1-D ids and torch's offsets (B starts, or B + 1
