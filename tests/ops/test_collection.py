@@ -372,3 +372,49 @@ def test_layer_norm_epilogue_matches_pool_then_chain(dtype, act, affine, weighte
                                    None if b is None else b.double(), 1e-5, act).view(B, F * D)
     tol = {torch.float32: 1e-4, torch.float16: 3e-3}[dtype]
     torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("sum", True), ("mean", False)])
+def test_a_cpu_collection_of_one_width_pools_in_one_call_as_feature_by_feature(pooling, weighted, monkeypatch):
+    """CPU tables of one width and one pooling: a small batch takes one native call over the flat
+    buffer (collection_native's _one_call), a large one a call a feature; both give torch's own
+    embedding_bag of each feature, in float64 (a table shared by two features, empty bags)."""
+    import torch.nn.functional as F
+
+    from embfuse import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from embfuse.ops import collection
+
+    tables = [EmbeddingBagConfig(30, 4, "t0", torch.float64, ["f0", "f2"], pooling=pooling),
+              EmbeddingBagConfig(20, 4, "t1", torch.float64, ["f1"], pooling=pooling)]
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
+    B = 5
+    lengths = torch.randint(0, 4, (3 * B,))
+    values = torch.randint(0, 20, (int(lengths.sum()),))
+    w = torch.rand(values.numel(), dtype=torch.float64) + 0.5 if weighted else None
+    kjt = KeyedJaggedTensor(["f0", "f2", "f1"], values, w, lengths=lengths)
+    d, want = kjt.to_dict(), []
+    for t, table in zip(tables, ebc.table_weights()):
+        for name in t.feature_names:
+            want.append(F.embedding_bag(d[name].values(), table, d[name].offsets(), mode=pooling,
+                                        include_last_offset=True, per_sample_weights=d[name].weights_or_none()))
+    want = torch.cat(want, 1)
+    took = []
+    one_call = collection._one_call
+    monkeypatch.setattr(collection, "_one_call", lambda *a: took.append(one_call(*a)) or took[-1])
+    with torch.no_grad():
+        one = ebc(kjt).values()
+        monkeypatch.setattr(tuning, "CPU_ONE_CALL_OUTPUT", 0)
+        each = ebc(kjt).values()
+    assert len(took) == 1 and took[0] is not None
+    torch.testing.assert_close(one, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(each, want, rtol=1e-12, atol=1e-12)
+    # a staged batch (fx.capture's buffer) holds values past its features' runs, pooled by no bag
+    P = ebc._plan(kjt.keys(), ebc.weights.device)
+    staged = torch.cat([values, torch.randint(0, 20, (7,))])
+    staged_w = None if w is None else torch.cat([w, torch.full((7,), 100.0, dtype=torch.float64)])
+    for cut in (tuning.CPU_ONE_CALL_OUTPUT, 1 << 30):
+        monkeypatch.setattr(tuning, "CPU_ONE_CALL_OUTPUT", cut)
+        got = collection.collection_native(ebc.weights.detach(), staged, kjt.offsets(), staged_w, P.meta, B,
+                                           P.total_dim, P.max_dim)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(took) == 2 and took[1] is not None

@@ -21,7 +21,7 @@ from embfuse._triton import (backward_needs_op, cdiv, eager_autograd, kernel_op,
                               triton, use_kernels)
 from embfuse.ops.bags import (DIM, ELEM_START, K_DIM, K_ELEM_START, K_OUT_COL, K_POOL, K_SUM, KEY_START, MEAN,
                               META_COLUMNS, K_NEGATIVE_IDS, K_NO_PADDING, K_SQRTN, OUT_COL, POOL, POOLINGS, ROW_START,
-                              ROWS, SCALED, WEIGHT_SUMS, accumulation, index_sum,
+                              ROWS, SCALED, SUM, WEIGHT_SUMS, accumulation, index_sum,
                               backward_inputs, backward_inputs_reference, bag_norms_reference, divide,
                               divide_reference, guard_bags, held_offsets, pool_bag, pool_norm, torch_cpu)
 from embfuse.ops.chain import ACTIVATIONS, chain_activation, layer_norm_act_reference
@@ -293,6 +293,26 @@ def _feature_runs(values, offsets, psw, B):
     return values, offsets, psw, offsets[::B].tolist()
 
 
+def _one_call(weights, values, offsets, psw, meta_rows, native, B, starts):
+    """collection_native's output from one native call over the flat buffer as one (rows, D)
+    table, each feature's ids moved to its table's first row, where every feature has width D,
+    one mode (torch's own mean, or a sum that no norm divides) and the columns f * D on; else
+    None. (B, F, D) pooled rows then transposed into (B, F * D): small batches only, where the F
+    calls' overhead outweighs that copy (tuning.CPU_ONE_CALL_OUTPUT)."""
+    D, F = meta_rows[0][DIM], len(meta_rows)
+    if (any(m[DIM] != D or m[ELEM_START] % D or m[OUT_COL] != f * D for f, m in enumerate(meta_rows))
+            or len(set(native)) > 1 or (not native[0] and any(m[POOL] != SUM for m in meta_rows))):
+        return None
+    # (only the features' runs: a staged batch holds values past them, which torch's last bag
+    # would take, running to the end of the ids with include_last_offset)
+    n = starts[-1]
+    first_rows = torch.tensor([m[ELEM_START] // D for m in meta_rows])
+    ids = values[:n].long() + first_rows.repeat_interleave(torch.tensor(starts).diff(), output_size=n)
+    pooled = torch.embedding_bag(weights.view(-1, D), ids, offsets.long(), False, 1 if native[0] else 0, False,
+                                 None if psw is None else psw[:n].to(weights.dtype), True)[0]
+    return pooled.view(F, B, D).transpose(0, 1).reshape(B, F * D)
+
+
 def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim):
     """The CPU path of fp32 and fp64 tables (eager: it reads the feature starts): per feature,
     torch's native embedding_bag over its table's (rows, dim) view of the flat buffer, written
@@ -307,6 +327,10 @@ def collection_native(weights, values, offsets, psw, meta, B, total_dim, max_dim
     if any(m[POOL] in SCALED and not own for m, own in zip(meta_rows, native)):  # (a sum's norm is 1)
         _, _, norm, _ = bag_norms_reference(values, offsets, psw, meta, B, dtype=accumulation(weights))
     values, offsets, psw, starts = _feature_runs(values, offsets, psw, B)
+    if norm is None and B * total_dim < tuning.CPU_ONE_CALL_OUTPUT:
+        one = _one_call(weights, values, offsets, psw, meta_rows, native, B, starts)
+        if one is not None:
+            return one
     for f, m in enumerate(meta_rows):
         a, b = starts[f], starts[f + 1]
         table = table_view(weights, m[ELEM_START], m[ROWS], m[DIM])

@@ -210,3 +210,11 @@ def product_shape(K: int) -> dict:
     """The hot-row product's program: at most 32 slots (64 took Hopper's wgmma path with 147 KB
     of shared memory, one program an SM, 4.4x slower), 32 bags a product, 4 warps, 2 stages."""
     return dict(KB=min(K, 32), BB=32, num_warps=4, num_stages=2)
+
+
+# ---- the CPU paths (ops/collection.py collection_native) ----
+
+# a CPU collection whose features share one width and one pooling looks up every feature in one
+# native call when its output has fewer elements; past that the per-feature calls won (they skip
+# the output's transposing copy; NOTES: session 65, "one call")
+CPU_ONE_CALL_OUTPUT = 1 << 18
