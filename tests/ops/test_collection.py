@@ -418,3 +418,12 @@ def test_a_cpu_collection_of_one_width_pools_in_one_call_as_feature_by_feature(p
                                            P.total_dim, P.max_dim)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert len(took) == 2 and took[1] is not None
+    # bounds_check="off": an unchecked first offset past 0 skips the ids before it, on both paths
+    late = kjt.offsets().clone()
+    late[0] = 1
+    each_and_one = []
+    for cut in (0, 1 << 30):
+        monkeypatch.setattr(tuning, "CPU_ONE_CALL_OUTPUT", cut)
+        each_and_one.append(collection.collection_native(ebc.weights.detach(), values, late, w, P.meta, B,
+                                                         P.total_dim, P.max_dim))
+    torch.testing.assert_close(each_and_one[1], each_and_one[0], rtol=1e-12, atol=1e-12)

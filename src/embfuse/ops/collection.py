@@ -301,10 +301,11 @@ def _one_call(weights, values, offsets, psw, meta_rows, native, B, starts):
     calls' overhead outweighs that copy (tuning.CPU_ONE_CALL_OUTPUT)."""
     D, F = meta_rows[0][DIM], len(meta_rows)
     if (any(m[DIM] != D or m[ELEM_START] % D or m[OUT_COL] != f * D for f, m in enumerate(meta_rows))
-            or len(set(native)) > 1 or (not native[0] and any(m[POOL] != SUM for m in meta_rows))):
+            or len(set(native)) > 1 or (not native[0] and any(m[POOL] != SUM for m in meta_rows)) or starts[0]):
         return None
     # (only the features' runs: a staged batch holds values past them, which torch's last bag
-    # would take, running to the end of the ids with include_last_offset)
+    # would take, running to the end of the ids with include_last_offset; an unchecked first
+    # offset past 0, which torch refuses, takes the calls a feature)
     n = starts[-1]
     first_rows = torch.tensor([m[ELEM_START] // D for m in meta_rows])
     ids = values[:n].long() + first_rows.repeat_interleave(torch.tensor(starts).diff(), output_size=n)
