@@ -258,10 +258,13 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     `_max_reference`'s rule (NaN, inf, ties, padding), but an empty bag's max id is 0 there and
     -1 here."""
     offsets = held_offsets(offsets, indices.numel()).to(indices.dtype)
-    # (_embedding_bag, not _embedding_bag_forward_only: the latter's meta kernel gives B + 1 bag
-    # sizes where its CPU kernel gives B, and inductor's output check fails on that under compile)
-    out, _, size, max_ids = torch._embedding_bag(weight, indices, offsets, False, TORCH_MODES[mode], False,
-                                                 per_sample_weights, True, padding_idx)
+    # a sum, eager: _embedding_bag_forward_only, which skips the buffers of torch's backward
+    # (embfuse has its own): the same output, faster (NOTES: session 66). Not
+    # traced: its meta kernel gives B + 1 bag sizes where its CPU kernel gives B, and inductor's
+    # output check fails on that under compile
+    own = torch._embedding_bag_forward_only if mode == SUM and not tracing() else torch._embedding_bag
+    out, _, size, max_ids = own(weight, indices, offsets, False, TORCH_MODES[mode], False, per_sample_weights, True,
+                                padding_idx)
     if mode != MAX:
         return out, indices.new_empty(0, dtype=torch.int64)
     return out, torch.where(size[:, None] == 0, -1, max_ids.long())
