@@ -10,6 +10,11 @@ fp16 and bf16 tables keep fp32 state; with `stochastic_rounding=True` (keyword o
 updated weights are rounded up or down at random, in proportion to the distance to each
 neighbour (unbiased: small updates are not lost to round-to-nearest). The random bits come from
 the step number and the element's position, so a run resumed from a checkpoint rounds the same.
+
+`update(w, g, state, step)` returns the touched rows' new weights and state. `w` is the caller's
+own copy of the rows (a gather), which an update may overwrite: SGD adds into it, which saves
+a buffer the size of the rows (the CPU step's largest; benchmarks/NOTES.md, session 66). The
+state's tensors are left as given.
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class SGD(_Rule):
         return Hyper(lr=self.lr, weight_decay=self.weight_decay)
 
     def update(self, w, g, state, step):
-        return torch.add(w, self.decayed(g, w), alpha=-self.lr), state
+        return w.add_(self.decayed(g, w), alpha=-self.lr), state
 
 
 @dataclass(frozen=True)
