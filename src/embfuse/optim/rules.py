@@ -12,9 +12,9 @@ neighbour (unbiased: small updates are not lost to round-to-nearest). The random
 the step number and the element's position, so a run resumed from a checkpoint rounds the same.
 
 `update(w, g, state, step)` returns the touched rows' new weights and state. `w` is the caller's
-own copy of the rows (a gather), which an update may overwrite: SGD adds into it, which saves
-a buffer the size of the rows (the CPU step's largest; benchmarks/NOTES.md, session 66). The
-state's tensors are left as given.
+own copy of the rows (a gather), which an update overwrites: it saves a buffer the size of the
+rows (the CPU step's largest; benchmarks/NOTES.md, session 66). The state's tensors are left as
+given.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class Adagrad(_Rule):
         lr = self.hyper(step).lr
         g = self.decayed(g, w)
         s = state["sum"].addcmul(g, g)
-        return w.addcdiv(g, s.sqrt().add_(self.eps), value=-lr), {"sum": s}
+        return w.addcdiv_(g, s.sqrt().add_(self.eps), value=-lr), {"sum": s}
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class RowWiseAdagrad(_Rule):
     def update(self, w, g, state, step):
         g = self.decayed(g, w)
         s = state["sum"] + (g * g).mean(dim=1)
-        return w.addcdiv(g, s.sqrt().add_(self.eps)[:, None], value=-self.lr), {"sum": s}
+        return w.addcdiv_(g, s.sqrt().add_(self.eps)[:, None], value=-self.lr), {"sum": s}
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class Adam(_Rule):
         g = self.decayed(g, w)
         m = state["exp_avg"].lerp(g, c1)
         v = state["exp_avg_sq"].lerp(g * g, c2)
-        return w.addcdiv(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr_t), {"exp_avg": m, "exp_avg_sq": v}
+        return w.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr_t), {"exp_avg": m, "exp_avg_sq": v}
 
 
 def init_state(optimizer, num_rows: int, dim: int, device, num_elements: int | None = None) -> dict[str, torch.Tensor]:
