@@ -259,9 +259,9 @@ def _torch_pool(weight, indices, offsets, per_sample_weights, mode, padding_idx)
     -1 here."""
     offsets = held_offsets(offsets, indices.numel()).to(indices.dtype)
     # a sum, eager: _embedding_bag_forward_only, which skips the buffers of torch's backward
-    # (embfuse has its own): the same output, faster (NOTES: session 66). Not
-    # traced: its meta kernel gives B + 1 bag sizes where its CPU kernel gives B, and inductor's
-    # output check fails on that under compile
+    # (embfuse has its own): the same output, faster (NOTES: session 66). Not traced: its meta
+    # kernel gives B + 1 bag sizes where its CPU kernel gives B, and torch 2.11's inductor fails
+    # its output check on that under compile (session 29)
     own = torch._embedding_bag_forward_only if mode == SUM and not tracing() else torch._embedding_bag
     out, _, size, max_ids = own(weight, indices, offsets, False, TORCH_MODES[mode], False, per_sample_weights, True,
                                 padding_idx)
