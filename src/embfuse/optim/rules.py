@@ -11,10 +11,9 @@ updated weights are rounded up or down at random, in proportion to the distance 
 neighbour (unbiased: small updates are not lost to round-to-nearest). The random bits come from
 the step number and the element's position, so a run resumed from a checkpoint rounds the same.
 
-`update(w, g, state, step)` returns the touched rows' new weights and state. `w` is the caller's
-own copy of the rows (a gather), which an update overwrites: it saves a buffer the size of the
-rows (the CPU step's largest; benchmarks/NOTES.md, session 66). The state's tensors are left as
-given.
+`update(w, g, state, step)` returns the touched rows' new weights and state. `w` and the state's
+tensors are the caller's own copies of those rows (gathers), which an update may overwrite: each
+saves a buffer the size of the rows (the CPU step's largest; benchmarks/NOTES.md, session 66).
 """
 
 from __future__ import annotations
@@ -193,7 +192,7 @@ class Adagrad(_Rule):
     def update(self, w, g, state, step):
         lr = self.hyper(step).lr
         g = self.decayed(g, w)
-        s = state["sum"].addcmul(g, g)
+        s = state["sum"].addcmul_(g, g)
         return w.addcdiv_(g, s.sqrt().add_(self.eps), value=-lr), {"sum": s}
 
 
@@ -242,8 +241,8 @@ class Adam(_Rule):
     def update(self, w, g, state, step):
         lr_t, eps, _, c1, c2, bc2_sqrt = self.hyper(step)
         g = self.decayed(g, w)
-        m = state["exp_avg"].lerp(g, c1)
-        v = state["exp_avg_sq"].lerp(g * g, c2)
+        m = state["exp_avg"].lerp_(g, c1)
+        v = state["exp_avg_sq"].lerp_(g * g, c2)
         return w.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-lr_t), {"exp_avg": m, "exp_avg_sq": v}
 
 
